@@ -1,0 +1,101 @@
+# syntax=docker/dockerfile:1.7
+# batchscribe image, two flavours from one file:
+#   docker build -t batchscribe:cuda .                       # GPU (default)
+#   docker build -t batchscribe:cpu --build-arg VARIANT=cpu .
+#   ... --build-arg BAKE_MODEL=1                              # model weights inside the image
+# amd64 only: LD_PRELOAD below names the x86_64 tcmalloc path.
+
+ARG VARIANT=cuda
+# Derived, not meant to be set: the OS stage the variant picks (a bare variable in FROM is
+# what lets hadolint tell it from an untagged image).
+ARG OS_STAGE=os-${VARIANT}
+
+# uv installs a standalone CPython 3.11 where the base has none (Ubuntu 24.04 ships 3.12)
+# and resolves the heavy torch/whisperx stack much faster than pip.
+FROM ghcr.io/astral-sh/uv:0.13.9 AS uv
+
+# ---- OS layer per variant: only the selected one is built (BuildKit). ----
+# CUDA 12.8 + cuDNN 9 runtime: matches torch 2.8 (cu128 wheels) and CTranslate2 4.x, which
+# dlopens libcublas.so.12 / libcudnn*.so.9 from the system paths, not from torch's wheels.
+FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS os-cuda
+# Ubuntu 24.04 renamed the package in the 64-bit time_t transition; the .so path is the same.
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libtcmalloc-minimal4t64=2.* \
+ && rm -rf /var/lib/apt/lists/*
+
+FROM python:3.11-slim-bookworm AS os-cpu
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends libtcmalloc-minimal4=2.* \
+ && rm -rf /var/lib/apt/lists/*
+
+FROM ${OS_STAGE} AS os
+
+# ---- builder: venv with the dependencies, then the project itself. ----
+FROM os AS builder
+ARG VARIANT
+COPY --from=uv /uv /usr/local/bin/uv
+# Managed Pythons go to /opt/python so the runtime stage can copy them next to the venv.
+ENV UV_PYTHON_INSTALL_DIR=/opt/python \
+    UV_COMPILE_BYTECODE=1 \
+    UV_LINK_MODE=copy \
+    VIRTUAL_ENV=/opt/venv \
+    PATH=/opt/venv/bin:$PATH
+WORKDIR /src
+RUN mkdir -p /opt/python && uv venv --python 3.11 /opt/venv
+# Dependencies first (from pyproject.toml alone) so source edits do not reinstall torch.
+COPY pyproject.toml ./
+# The cpu variant takes torch from PyTorch's CPU index: PyPI's linux torch is the CUDA build
+# (several GB of nvidia-* wheels). Installed first, the later resolve keeps it.
+RUN --mount=type=cache,target=/root/.cache/uv \
+    if [ "$VARIANT" = cpu ]; then \
+      uv pip install --index-url https://download.pytorch.org/whl/cpu \
+        "torch==2.8.*" "torchaudio==2.8.*" "torchvision==0.23.*"; \
+    fi \
+ && uv pip install -r pyproject.toml
+COPY README.md ./
+COPY app/ app/
+COPY models/ models/
+RUN --mount=type=cache,target=/root/.cache/uv uv pip install --no-deps .
+
+# ---- optional: bake the default model (BAKE_MODEL=1); otherwise /models stays empty and
+# the weights come from a volume mounted there (see k8s/README.md). ----
+FROM builder AS model
+ARG BAKE_MODEL=0
+ARG MODEL_NAME=whisper-base
+ENV BATCHSCRIBE_MODEL__CACHE_DIR=/models
+RUN mkdir -p /models \
+ && if [ "$BAKE_MODEL" = 1 ]; then python -m models.provision "$MODEL_NAME"; fi
+
+# ---- runtime ----
+FROM os AS runtime
+ARG VARIANT
+LABEL org.opencontainers.image.title="batchscribe" \
+      org.opencontainers.image.description="Batched Whisper speech-to-text HTTP service (${VARIANT})"
+# Fixed uid/gid 10001, and a numeric USER below, so Kubernetes runAsNonRoot can verify it and
+# fsGroup can match; -l avoids a huge sparse lastlog for a high uid.
+RUN groupadd --system --gid 10001 app \
+ && useradd --system -l --uid 10001 --gid app --create-home --home-dir /home/app app \
+ && mkdir -p /data \
+ && chown app:app /data
+COPY --from=builder /opt/python /opt/python
+COPY --from=builder /opt/venv /opt/venv
+COPY --from=model --chown=app:app /models /models
+# LD_PRELOAD: tcmalloc keeps the batcher's many short-lived numpy/torch buffers cheap; glibc
+# malloc fragments and slows batching markedly. It applies to every process in the container.
+ENV PATH=/opt/venv/bin:$PATH \
+    VIRTUAL_ENV=/opt/venv \
+    PYTHONUNBUFFERED=1 \
+    PYTHONDONTWRITEBYTECODE=1 \
+    LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 \
+    BATCHSCRIBE_HOST=0.0.0.0 \
+    BATCHSCRIBE_PORT=8000 \
+    BATCHSCRIBE_MODEL__CACHE_DIR=/models \
+    BATCHSCRIBE_STORAGE__DATA_DIR=/data
+USER 10001:10001
+WORKDIR /home/app
+EXPOSE 8000
+# Liveness only (/healthz); readiness (/readyz, model loaded) is for the load balancer.
+HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
+  CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('BATCHSCRIBE_PORT', '8000'), timeout=4)"]
+# The app handles SIGTERM itself (BATCHSCRIBE_SHUTDOWN_GRACE_S); give `docker stop` more than that.
+CMD ["python", "-m", "app"]

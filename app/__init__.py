@@ -1,0 +1,1 @@
+"""batchscribe: batched Whisper transcription over HTTP."""

@@ -1,0 +1,1 @@
+"""Thin HTTP routers: parse, authorize, hand over to the runner, render."""

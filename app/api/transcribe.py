@@ -1,0 +1,110 @@
+"""POST /transcribe: spool the upload, validate it, commit the job, answer 202 (or wait)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
+from fastapi.responses import JSONResponse
+from starlette.concurrency import run_in_threadpool
+
+from app import audio
+from app.api.deps import Caller, caller, ready_state, to_job
+from app.engine import DecodeOptions
+from app.errors import BadRequest, InvalidAudio, Overloaded, PayloadTooLarge
+from app.jobs import new_job_id
+from app.state import AppState
+from app.schemas import ErrorBody, Job
+
+router = APIRouter(tags=["transcription"])
+
+ERRORS: dict[int | str, dict[str, object]] = {
+    code: {"model": ErrorBody} for code in (400, 413, 415, 422, 429, 503)
+}
+
+
+def whisper_languages() -> frozenset[str]:
+    from faster_whisper.tokenizer import _LANGUAGE_CODES
+
+    return frozenset(_LANGUAGE_CODES)
+
+
+def decode_options(st: AppState, language: str | None, task: str, beam_size: int | None,
+                   initial_prompt: str | None) -> DecodeOptions:
+    lang = (language or "").strip().lower() or None
+    if lang is not None and lang not in st.languages:
+        raise BadRequest(f"unknown language {language!r}; use an ISO 639-1 code such as 'en'",
+                         field="language")
+    return DecodeOptions(
+        language=lang, task=task,  # type: ignore[arg-type]
+        beam_size=beam_size or st.settings.default_beam_size,
+        initial_prompt=(initial_prompt or "").strip() or None,
+    )
+
+
+def spool_upload(src: UploadFile, dest: Path, max_bytes: int) -> int:
+    """Copy the (already disk-spooled) upload under our own name, enforcing the size limit."""
+    size = 0
+    with dest.open("wb") as out:
+        while block := src.file.read(1 << 20):
+            size += len(block)
+            if size > max_bytes:
+                raise PayloadTooLarge(f"upload exceeds the limit of {max_bytes} bytes",
+                                      limit_bytes=max_bytes)
+            out.write(block)
+    return size
+
+
+async def accept_upload(st: AppState, file: UploadFile, options: DecodeOptions,
+                        who: Caller) -> str:
+    """Spool + probe + backpressure + commit. Returns the new job id (the row is committed)."""
+    job_id = new_job_id()
+    # The client's file name is display-only; the spool path is our random id.
+    dest = st.spool_dir / job_id
+    try:
+        size = await run_in_threadpool(spool_upload, file, dest, st.settings.limits.max_upload_bytes)
+        if size == 0:
+            raise InvalidAudio("the uploaded file is empty")
+        info = await run_in_threadpool(audio.probe, dest, st.settings.limits.max_audio_s)
+        backlog = await st.runner.backlog_seconds()
+        limit = st.settings.limits.max_backlog_s
+        if backlog + info.duration_s > limit:
+            retry = st.retry_after_s(backlog + info.duration_s - limit)
+            st.metrics.rejected.labels("backlog").inc()
+            raise Overloaded(
+                f"the queue holds {backlog:.0f} s of audio (limit {limit:.0f} s); retry later",
+                headers={"Retry-After": str(retry)}, retry_after_s=retry,
+            )
+        await st.runner.submit(job_id, dest, (file.filename or "")[:255] or None, options,
+                               info.duration_s, who.owner)
+    except BaseException:
+        dest.unlink(missing_ok=True)
+        raise
+    return job_id
+
+
+@router.post("/transcribe", status_code=202, response_model=Job, responses=ERRORS)
+async def transcribe(
+    request: Request,
+    file: Annotated[UploadFile, File(description="Audio: wav, flac, mp3, ogg, m4a, webm.")],
+    language: Annotated[str | None, Form(description="ISO 639-1; detected when absent.")] = None,
+    task: Annotated[Literal["transcribe", "translate"], Form()] = "transcribe",
+    beam_size: Annotated[int | None, Form(ge=1, le=10)] = None,
+    initial_prompt: Annotated[str | None, Form(max_length=1000)] = None,
+    wait: Annotated[bool, Query(description="Answer with the finished job (200).")] = False,
+    st: AppState = Depends(ready_state),
+    who: Caller = Depends(caller),
+) -> JSONResponse:
+    options = decode_options(st, language, task, beam_size, initial_prompt)
+    job_id = await accept_upload(st, file, options, who)
+    if wait:
+        # On timeout the job keeps running; the client gets 202 and polls status_url.
+        await st.runner.wait(job_id, st.settings.limits.sync_timeout_s)
+    row = await st.store.get(job_id)
+    assert row is not None
+    job = to_job(row, st)
+    code = 200 if wait and row.status in ("done", "failed", "cancelled") else 202
+    return JSONResponse(job.model_dump(mode="json"), status_code=code,
+                        headers={"Location": job.status_url})
+

@@ -1,0 +1,206 @@
+"""The one seam to the model: ``transcribe_batch(windows, options) -> results``.
+
+The engine owns the resident Whisper model (whisperx's batched ``WhisperModel`` on CTranslate2).
+It is created in the app's lifespan, never at import, and its ``transcribe_batch`` is only ever
+called on the engine's own dedicated threads (see :class:`EngineRunner`): CTranslate2 runs
+``num_workers`` batches concurrently, one per thread, and the event loop never blocks on it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, Sequence
+
+import numpy as np
+
+from app.config import ModelSettings
+from app.device import resolve_compute_type, resolve_device
+
+log = logging.getLogger(__name__)
+
+SAMPLE_RATE = 16_000
+WINDOW_S = 30.0  # Whisper's encoder always sees 30 s; shorter windows are zero-padded
+N_SAMPLES = int(SAMPLE_RATE * WINDOW_S)
+
+Task = Literal["transcribe", "translate"]
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    """Options that must be equal for windows to share a batch (they share one prompt)."""
+
+    language: str | None = None  # None: detect per window (used for a job's first window)
+    task: Task = "transcribe"
+    beam_size: int = 1
+    initial_prompt: str | None = None
+
+
+@dataclass(eq=False)
+class Window:
+    """Up to 30 s of 16 kHz mono speech cut from one upload."""
+
+    audio: np.ndarray
+    start: float  # seconds from the start of the upload
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return len(self.audio) / SAMPLE_RATE
+
+
+@dataclass
+class WindowResult:
+    text: str
+    language: str
+    language_probability: float | None
+    avg_logprob: float
+    no_speech_prob: float
+    compression_ratio: float
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str
+    device: str
+    compute_type: str
+    num_workers: int
+
+
+class Engine(Protocol):
+    info: EngineInfo
+
+    def transcribe_batch(
+        self, windows: Sequence[Window], options: DecodeOptions
+    ) -> list[WindowResult]: ...
+
+    def close(self) -> None: ...
+
+
+def compression_ratio(text: str) -> float:
+    data = text.encode("utf-8")
+    return len(data) / len(zlib.compress(data)) if data else 0.0
+
+
+class WhisperEngine:
+    """whisperx's batched WhisperModel, one resident copy, ``num_workers`` concurrent batches."""
+
+    def __init__(self, model_path: str, settings: ModelSettings, model_name: str) -> None:
+        import torch
+        from faster_whisper.tokenizer import Tokenizer
+        from whisperx.asr import WhisperModel
+
+        # Mel is computed with torch; keep its pool small so it never fights CTranslate2's.
+        torch.set_num_threads(settings.torch_threads)
+        device = resolve_device(settings.device)
+        compute_type = resolve_compute_type(settings.compute_type, device)
+        workers = settings.num_workers or (1 if device == "cuda" else _cpu_count())
+        self.model = WhisperModel(
+            model_path,
+            device=device,
+            compute_type=compute_type,
+            cpu_threads=settings.cpu_threads,
+            num_workers=workers,
+            local_files_only=settings.local_files_only,
+        )
+        self._tokenizer_cls = Tokenizer
+        self._n_mels = int(self.model.feat_kwargs.get("feature_size") or 80)
+        self.info = EngineInfo(model_name, device, compute_type, workers)
+        log.info("engine ready: %s", self.info)
+
+    def _tokenizer(self, language: str | None, task: Task) -> object:
+        multilingual = self.model.model.is_multilingual
+        return self._tokenizer_cls(
+            self.model.hf_tokenizer, multilingual, task=task,
+            language=language if multilingual else "en",
+        )
+
+    def transcribe_batch(
+        self, windows: Sequence[Window], options: DecodeOptions
+    ) -> list[WindowResult]:
+        from whisperx.audio import log_mel_spectrogram
+
+        feats = np.stack([
+            log_mel_spectrogram(
+                w.audio[:N_SAMPLES], n_mels=self._n_mels, padding=N_SAMPLES - len(w.audio[:N_SAMPLES])
+            ).numpy()
+            for w in windows
+        ]).astype(np.float32)
+        encoder_output = self.model.encode(feats)
+
+        languages: list[tuple[str, float | None]]
+        if options.language is None and self.model.model.is_multilingual:
+            detected = self.model.model.detect_language(encoder_output)
+            languages = [(d[0][0][2:-2], float(d[0][1])) for d in detected]
+        else:
+            languages = [(options.language or "en", None)] * len(windows)
+
+        prompts = []
+        tokenizers = {}
+        for lang, _ in languages:
+            tok = tokenizers.get(lang) or self._tokenizer(lang, options.task)
+            tokenizers[lang] = tok
+            previous = (
+                tok.encode(" " + options.initial_prompt.strip())  # type: ignore[attr-defined]
+                if options.initial_prompt else []
+            )
+            prompts.append(self.model.get_prompt(tok, previous, without_timestamps=True))
+
+        # Same decoding parameters as whisperx's FasterWhisperPipeline, so results match it.
+        results = self.model.model.generate(
+            encoder_output,
+            prompts,
+            beam_size=options.beam_size,
+            patience=1,
+            length_penalty=1,
+            max_length=self.model.max_length,
+            suppress_blank=True,
+            suppress_tokens=[-1],
+            return_scores=True,
+            return_no_speech_prob=True,
+        )
+        out = []
+        for (lang, prob), res, tok in zip(
+            languages, results, (tokenizers[lang] for lang, _ in languages)
+        ):
+            ids = res.sequences_ids[0]
+            eot = tok.eot  # type: ignore[attr-defined]
+            text = tok.tokenizer.decode([t for t in ids if t < eot])  # type: ignore[attr-defined]
+            cum = res.scores[0] * len(ids)  # undo length_penalty=1, as whisperx does
+            out.append(WindowResult(
+                text=text, language=lang, language_probability=prob,
+                avg_logprob=float(cum / (len(ids) + 1)),
+                no_speech_prob=float(res.no_speech_prob),
+                compression_ratio=compression_ratio(text), tokens=list(ids),
+            ))
+        return out
+
+    def close(self) -> None:
+        del self.model
+
+
+def _cpu_count() -> int:
+    import os
+
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+class EngineRunner:
+    """Runs ``engine.transcribe_batch`` on the engine's dedicated threads, one batch per thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.workers = max(1, engine.info.num_workers)
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="engine")
+
+    async def run(self, windows: Sequence[Window], options: DecodeOptions) -> list[WindowResult]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.engine.transcribe_batch, windows, options)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.engine.close()

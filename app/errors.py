@@ -1,0 +1,124 @@
+"""Exceptions that know their HTTP status, and the one handler that renders them.
+
+Code raises these anywhere (audio decoding, limits, the job store); the API turns them into a
+JSON body ``{"error": {"type", "message", ...details}}``. Anything else is a bug and becomes a
+500 that still says so in JSON, never an HTML page or a hung request.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+log = logging.getLogger(__name__)
+
+
+class ServiceError(Exception):
+    """Base: an error with a status code, a machine-readable type and details for the client."""
+
+    status_code = 500
+    error_type = "internal_error"
+
+    def __init__(self, message: str, *, headers: dict[str, str] | None = None, **details: Any):
+        super().__init__(message)
+        self.message = message
+        self.details = details
+        self.headers = headers or {}
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"type": self.error_type, "message": self.message, **self.details}}
+
+
+class BadRequest(ServiceError):
+    status_code = 400
+    error_type = "bad_request"
+
+
+class NotFound(ServiceError):
+    status_code = 404
+    error_type = "not_found"
+
+
+class Conflict(ServiceError):
+    status_code = 409
+    error_type = "conflict"
+
+
+class PayloadTooLarge(ServiceError):
+    status_code = 413
+    error_type = "payload_too_large"
+
+
+class UnsupportedMedia(ServiceError):
+    status_code = 415
+    error_type = "unsupported_media"
+
+
+class InvalidAudio(ServiceError):
+    status_code = 422
+    error_type = "invalid_audio"
+
+
+class Overloaded(ServiceError):
+    status_code = 429
+    error_type = "overloaded"
+
+
+class NotReady(ServiceError):
+    status_code = 503
+    error_type = "not_ready"
+
+
+
+class TranscriptionFailed(ServiceError):
+    """Inference failed for a window; carried to the one job that owns it."""
+
+    status_code = 500
+    error_type = "transcription_failed"
+
+
+class ShuttingDown(Exception):
+    """The batcher stopped before this work ran; the job stays queued for the next start."""
+
+
+def install_error_handlers(app: FastAPI) -> None:
+    async def service_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, ServiceError)
+        return JSONResponse(exc.body(), status_code=exc.status_code, headers=exc.headers)
+
+    async def validation_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, RequestValidationError)
+        errors = [
+            {"field": ".".join(str(p) for p in e.get("loc", ())), "message": e.get("msg", "")}
+            for e in exc.errors()
+        ]
+        msg = "; ".join(f"{e['field']}: {e['message']}" for e in errors) or "invalid request"
+        return JSONResponse(
+            {"error": {"type": "invalid_request", "message": msg, "fields": errors}},
+            status_code=422,
+        )
+
+    async def http_error(_: Request, exc: Exception) -> JSONResponse:
+        assert isinstance(exc, StarletteHTTPException)
+        return JSONResponse(
+            {"error": {"type": "http_error", "message": str(exc.detail)}},
+            status_code=exc.status_code,
+            headers=getattr(exc, "headers", None),
+        )
+
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return JSONResponse(
+            {"error": {"type": "internal_error", "message": "internal error; see the server log"}},
+            status_code=500,
+        )
+
+    app.add_exception_handler(ServiceError, service_error)
+    app.add_exception_handler(RequestValidationError, validation_error)
+    app.add_exception_handler(StarletteHTTPException, http_error)
+    app.add_exception_handler(Exception, unexpected)

@@ -1,0 +1,135 @@
+"""App factory and lifespan: HTTP is kept apart from the engine, state lives on ``app.state``.
+
+Nothing heavy happens at import. The lifespan resolves and loads the model (refusing to start,
+with the command to run, when there is none), opens the job store, starts the batcher and the
+job runner, and on shutdown drains them within the grace period.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI, Request, Response
+
+from app.api import health, jobs, transcribe
+from app.audio import make_vad
+from app.batcher import Batcher
+from app.config import Settings
+from app.device import DeviceMonitor, resolve_device
+from app.engine import Engine, EngineRunner, WhisperEngine
+from app.errors import install_error_handlers
+from app.jobs import JobRunner
+from app.metrics import Metrics
+from app.state import AppState
+from app.store import JobStore
+from models.registry import ModelUnavailable, broken_model_message, resolve
+
+log = logging.getLogger("batchscribe")
+EngineFactory = Callable[[Settings], Engine]
+
+
+def load_whisper(settings: Settings) -> Engine:
+    m = settings.model
+    path = resolve(m.name, m.cache_dir, m.local_files_only)
+    try:
+        return WhisperEngine(path, m, m.name)
+    except (RuntimeError, ValueError) as exc:  # CTranslate2 rejects truncated/corrupt weights
+        raise ModelUnavailable(broken_model_message(path, exc)) from exc
+
+
+def create_app(settings: Settings | None = None,
+               engine_factory: EngineFactory = load_whisper) -> FastAPI:
+    settings = settings or Settings()
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        metrics = Metrics()
+        try:
+            engine = await asyncio.to_thread(engine_factory, settings)
+        except ModelUnavailable as exc:
+            log.critical("cannot start: %s", exc)
+            raise
+        device = engine.info.device if engine.info.device != "auto" else resolve_device("auto")
+        vad_kind = settings.model.vad
+        if vad_kind == "auto":
+            vad_kind = "pyannote" if device == "cuda" else "silero"
+        vad = await asyncio.to_thread(make_vad, vad_kind, device)
+        metrics.model_info.info({"model": engine.info.model, "device": engine.info.device,
+                                 "compute_type": engine.info.compute_type, "vad": vad_kind,
+                                 "workers": str(engine.info.num_workers)})
+        store = JobStore(settings.database_url())
+        settings.storage.data_dir.mkdir(parents=True, exist_ok=True)
+        spool = settings.storage.data_dir / "uploads"
+        spool.mkdir(parents=True, exist_ok=True)
+        await store.init()
+        runner_engine = EngineRunner(engine)
+        batcher = Batcher(runner_engine.run, settings.batcher, runner_engine.workers, metrics)
+        runner = JobRunner(settings, store, batcher, vad, metrics)
+        st = AppState(settings=settings, metrics=metrics, store=store, spool_dir=spool,
+                      languages=transcribe.whisper_languages(), runner=runner, batcher=batcher,
+                      engine=runner_engine, monitor=DeviceMonitor(device))
+        app.state.bs = st
+        batcher.start()
+        await runner.start()
+        st.ready = True
+        log.info("ready", extra={"model": engine.info.model, "device": engine.info.device,
+                                 "workers": engine.info.num_workers, "vad": vad_kind})
+        try:
+            yield
+        finally:
+            st.ready = False
+            await runner.stop(settings.shutdown_grace_s)
+            await asyncio.to_thread(runner_engine.close)
+            await store.close()
+            log.info("stopped")
+
+    app = FastAPI(title="batchscribe", version="0.1.0", lifespan=lifespan,
+                  description="Batched Whisper transcription service.")
+    install_error_handlers(app)
+    app.include_router(transcribe.router)
+    app.include_router(jobs.router)
+    app.include_router(health.router)
+
+    @app.middleware("http")
+    async def http_metrics(request: Request,
+                           call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        start = time.perf_counter()
+        status = 500
+        try:
+            response = await call_next(request)
+            status = response.status_code
+            return response
+        finally:
+            route = getattr(request.scope.get("route"), "path", "unmatched")
+            st: AppState | None = getattr(request.app.state, "bs", None)
+            if st is not None:
+                st.metrics.http_requests.labels(request.method, route, str(status)).inc()
+                st.metrics.http_duration.labels(request.method, route).observe(
+                    time.perf_counter() - start)
+
+    return app
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line, with any ``extra=`` fields: greppable and machine-readable."""
+
+    _std = set(vars(logging.makeLogRecord({}))) | {"message", "asctime"}
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname, "logger": record.name,
+               "msg": record.getMessage()}
+        out.update({k: v for k, v in vars(record).items() if k not in self._std})
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str = "INFO") -> None:
+    handler = logging.StreamHandler()
+    handler.setFormatter(JsonFormatter())
+    logging.basicConfig(level=level, handlers=[handler], force=True)

