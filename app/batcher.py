@@ -219,7 +219,8 @@ class Batcher:
         m.batches.labels("oom" if is_oom(exc) else "error").inc()
         if is_oom(exc):
             m.oom_events.inc()
-            self.cap = max(1, min(self.cap, len(items)) // 2)
+            # Halve relative to the batch that failed, never below what already fits.
+            self.cap = max(1, min(self.cap, len(items) // 2))
             self._streak = 0
             m.batch_cap.set(self.cap)
             log.warning("engine OOM on %d windows; cap now %d", len(items), self.cap)

@@ -110,7 +110,6 @@ class JobStore:
         """
         if limit <= 0:
             return []
-        now = time.time()
         async with self.engine.begin() as conn:
             q = (
                 sa.select(jobs.c.id).where(jobs.c.status == "queued")
@@ -120,6 +119,7 @@ class JobStore:
             ids = [r[0] for r in await conn.execute(q)]
             if not ids:
                 return []
+            now = time.time()  # after the select: never earlier than the rows' created_at
             await conn.execute(
                 jobs.update().where(jobs.c.id.in_(ids), jobs.c.status == "queued").values(
                     status="running", lease_owner=replica, lease_expires_at=now + lease_s,

@@ -1,0 +1,129 @@
+"""Shared fixtures: the corpus, a real service process on the real model, a fake engine."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "corpus"))
+READ_SPEECH = ("librispeech", "ljspeech", "librivox")
+
+
+@dataclass(frozen=True)
+class Clip:
+    id: str
+    path: Path
+    duration_s: float
+    reference: str
+    set: str
+    sample_rate: int
+    channels: int
+
+
+def corpus_clips() -> list[Clip]:
+    manifest = CORPUS / "manifest.jsonl"
+    if not manifest.is_file():
+        pytest.skip(f"corpus not found at {CORPUS} (set BATCHSCRIBE_CORPUS)")
+    out = []
+    for line in manifest.read_text().splitlines():
+        d = json.loads(line)
+        out.append(Clip(d["id"], CORPUS / d["file"], float(d["duration_s"]), d["reference"],
+                        d["set"], int(d["sample_rate"]), int(d["channels"])))
+    return out
+
+
+@pytest.fixture(scope="session")
+def clips() -> list[Clip]:
+    return corpus_clips()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """A real ``python -m app`` process: the same code path as production, killable."""
+
+    data_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+    log_path: Path | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self, timeout: float = 180.0) -> Server:
+        env = {**os.environ, "BATCHSCRIBE_PORT": str(self.port),
+               "BATCHSCRIBE_STORAGE__DATA_DIR": str(self.data_dir), **self.env}
+        self.log_path = self.data_dir / f"server-{self.port}-{int(time.time() * 1000)}.log"
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        log = self.log_path.open("wb")
+        self.proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env,
+                                     stdout=log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")[-5000:] if self.log_path else ""
+
+    def kill(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(30)
+
+    def terminate(self, timeout: float = 60) -> int:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGTERM)
+        return self.proc.wait(timeout)
+
+    def client(self, **kw: object) -> httpx.Client:
+        return httpx.Client(base_url=self.url, timeout=kw.pop("timeout", 300), **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="session")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One real-model service shared by the end-to-end tests (the model loads once)."""
+    srv = Server(tmp_path_factory.mktemp("server")).start()
+    yield srv
+    srv.terminate()
+
+
+@pytest.fixture
+def make_server(tmp_path: Path) -> Iterator[type[Server]]:
+    """Servers a test starts and kills itself; all are stopped at the end."""
+    started: list[Server] = []
+
+    class Own(Server):
+        def start(self, timeout: float = 180.0) -> Server:
+            started.append(self)
+            return super().start(timeout)
+
+    yield Own
+    for s in started:
+        s.kill()

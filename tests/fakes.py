@@ -1,0 +1,51 @@
+"""A fake engine for unit tests of the batcher and for fault injection (never for accuracy)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+from app.engine import SAMPLE_RATE, DecodeOptions, EngineInfo, Window, WindowResult
+
+
+def tagged_window(tag: int, seconds: float = 2.0, start: float = 0.0) -> Window:
+    """A window whose first sample encodes ``tag`` so results can be traced to their window."""
+    audio = np.zeros(max(1, int(seconds * SAMPLE_RATE)), dtype=np.float32)
+    audio[0] = tag / 1e6
+    return Window(audio, start, start + seconds)
+
+
+def tag_of(w: Window) -> int:
+    return round(float(w.audio[0]) * 1e6)
+
+
+class FakeEngine:
+    """Records every batch; ``fail`` decides per batch whether to raise (fault injection)."""
+
+    def __init__(self, workers: int = 1, fail: Callable[[Sequence[Window]], None] | None = None):
+        self.info = EngineInfo("fake", "cpu", "int8", workers)
+        self.batches: list[tuple[DecodeOptions, list[int]]] = []
+        self.fail = fail
+        self.gate = threading.Event()  # cleared: batches block until the test opens the gate
+        self.gate.set()
+        self.entered = threading.Semaphore(0)
+        self._lock = threading.Lock()
+
+    def transcribe_batch(self, windows: Sequence[Window], options: DecodeOptions) -> list[WindowResult]:
+        self.entered.release()
+        self.gate.wait(60)
+        with self._lock:
+            self.batches.append((options, [tag_of(w) for w in windows]))
+        if self.fail:
+            self.fail(windows)
+        return [
+            WindowResult(text=f"w{tag_of(w)}", language=options.language or "en",
+                         language_probability=None if options.language else 0.99,
+                         avg_logprob=-0.1, no_speech_prob=0.0, compression_ratio=1.0)
+            for w in windows
+        ]
+
+    def close(self) -> None:
+        pass

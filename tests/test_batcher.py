@@ -1,0 +1,206 @@
+"""Unit tests of the micro-batcher with a fake engine (no model, no timing thresholds)."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import pytest
+
+from app.batcher import Batcher
+from app.config import BatcherSettings
+from app.engine import DecodeOptions, EngineRunner, Window
+from app.errors import ShuttingDown, TranscriptionFailed
+from app.metrics import Metrics
+from tests.fakes import FakeEngine, tag_of, tagged_window
+
+EN = DecodeOptions(language="en")
+BOUND = 30  # seconds: a bound on waits so a broken batcher fails the test instead of hanging
+
+
+class Rig:
+    def __init__(self, fake: FakeEngine, batcher: Batcher, metrics: Metrics) -> None:
+        self.fake, self.batcher, self.metrics = fake, batcher, metrics
+
+    async def block_first_batch(self) -> asyncio.Future:
+        """Close the gate and park one window inside the engine, so the next ones queue up."""
+        self.fake.gate.clear()
+        fut = self.batcher.submit("blocker", [tagged_window(999)], EN)[0]
+        await asyncio.to_thread(self.fake.entered.acquire, True, BOUND)
+        return fut
+
+    def release(self) -> None:
+        self.fake.gate.set()
+
+    def sizes(self) -> list[int]:
+        return [len(tags) for _, tags in self.fake.batches]
+
+
+@pytest.fixture
+async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
+    made: list[Rig] = []
+
+    def make(cap: int = 4, wait_ms: int = 20, workers: int = 1, regrow_after: int = 8,
+             fail: Callable[[Sequence[Window]], None] | None = None) -> Rig:
+        fake = FakeEngine(workers=workers, fail=fail)
+        metrics = Metrics()
+        settings = BatcherSettings(max_batch_size=cap, max_wait_ms=wait_ms, regrow_after=regrow_after)
+        b = Batcher(EngineRunner(fake).run, settings, workers, metrics)
+        b.start()
+        rig = Rig(fake, b, metrics)
+        made.append(rig)
+        return rig
+
+    yield make
+    for r in made:
+        r.fake.gate.set()
+        await r.batcher.stop(5)
+
+
+async def gather(futs: list[asyncio.Future]) -> list:
+    return await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), BOUND)
+
+
+async def test_lone_window_leaves_after_max_wait(rig_factory: Callable[..., Rig]) -> None:
+    rig = rig_factory(cap=8, wait_ms=30)
+    [res] = await gather(rig.batcher.submit("j", [tagged_window(1)], EN))
+    assert res.text == "w1"
+    assert rig.sizes() == [1]
+
+
+async def test_cap_bounds_batches_and_fills_them(rig_factory: Callable[..., Rig]) -> None:
+    rig = rig_factory(cap=4)
+    blocker = await rig.block_first_batch()
+    futs = rig.batcher.submit("j", [tagged_window(i) for i in range(10)], EN)
+    rig.release()
+    results = await gather([blocker, *futs])
+    assert [r.text for r in results[1:]] == [f"w{i}" for i in range(10)]
+    assert rig.sizes() == [1, 4, 4, 2]
+
+
+async def test_windows_with_different_options_never_share_a_batch(rig_factory) -> None:
+    rig = rig_factory(cap=8)
+    blocker = await rig.block_first_batch()
+    fr = DecodeOptions(language="fr")
+    tr = DecodeOptions(language="en", task="translate")
+    b5 = DecodeOptions(language="en", beam_size=5)
+    pr = DecodeOptions(language="en", initial_prompt="Glossary: batchscribe")
+    futs = []
+    for k, opts in enumerate((EN, fr, tr, b5, pr)):
+        futs += rig.batcher.submit(f"j{k}", [tagged_window(10 * k + i) for i in range(3)], opts)
+    rig.release()
+    await gather([blocker, *futs])
+    for opts, tags in rig.fake.batches[1:]:
+        assert {t // 10 for t in tags} == {(EN, fr, tr, b5, pr).index(opts)}
+    assert sorted(rig.sizes()[1:]) == [3, 3, 3, 3, 3]
+
+
+async def test_similar_durations_batch_together(rig_factory: Callable[..., Rig]) -> None:
+    rig = rig_factory(cap=4)
+    blocker = await rig.block_first_batch()
+    futs = []
+    for i in range(8):  # single-window jobs, alternating 3 s and 28 s
+        seconds = 3.0 if i % 2 == 0 else 28.0
+        futs += rig.batcher.submit(f"j{i}", [tagged_window(i, seconds)], EN)
+    rig.release()
+    await gather([blocker, *futs])
+    batches = [set(tags) for _, tags in rig.fake.batches[1:]]
+    assert batches == [{0, 2, 4, 6}, {1, 3, 5, 7}]
+
+
+async def test_short_request_is_not_starved_by_a_long_job(rig_factory) -> None:
+    rig = rig_factory(cap=4)
+    blocker = await rig.block_first_batch()
+    long_futs = rig.batcher.submit("long", [tagged_window(100 + i, 30) for i in range(40)], EN)
+    short = rig.batcher.submit("short", [tagged_window(7, 5)], EN)[0]
+    rig.release()
+    done, _ = await asyncio.wait([short, long_futs[-1]], return_when=asyncio.FIRST_COMPLETED,
+                                 timeout=BOUND)
+    assert short in done and not long_futs[-1].done()
+    # It rode in the very next batch, beside the long job's first windows.
+    assert 7 in rig.fake.batches[1][1]
+    await gather([blocker, *long_futs])
+
+
+async def test_oom_splits_halves_cap_and_regrows(rig_factory: Callable[..., Rig]) -> None:
+    def oom_over_two(windows: Sequence[Window]) -> None:
+        if len(windows) > 2 and not allow_big.is_set():
+            raise RuntimeError("CUDA failed with error out of memory")
+
+    import threading
+
+    allow_big = threading.Event()
+    rig = rig_factory(cap=8, regrow_after=2, fail=oom_over_two)
+    caps: list[float] = []
+    real_set = rig.metrics.batch_cap.set
+    rig.metrics.batch_cap.set = lambda v: (caps.append(v), real_set(v))  # type: ignore[method-assign]
+    blocker = await rig.block_first_batch()
+    futs = rig.batcher.submit("j", [tagged_window(i) for i in range(8)], EN)
+    rig.release()
+    results = await gather([blocker, *futs])
+    assert [r.text for r in results[1:]] == [f"w{i}" for i in range(8)]  # nothing lost
+    assert caps[:2] == [4, 2]  # halved on each OOM, relative to the batch that failed
+    assert rig.metrics.oom_events._value.get() == 3  # 8, then both halves of 4
+    assert rig.sizes()[1:] == [8, 4, 2, 2, 4, 2, 2]  # split until each half fits
+    allow_big.set()  # memory is back: successes must grow the cap again
+    for round_ in range(6):
+        await gather(rig.batcher.submit(f"r{round_}", [tagged_window(i) for i in range(8)], EN))
+    assert rig.batcher.cap == 8
+
+
+async def test_a_failing_window_fails_only_its_own_job(rig_factory: Callable[..., Rig]) -> None:
+    def poison(windows: Sequence[Window]) -> None:
+        if any(tag_of(w) == 13 for w in windows):
+            raise ValueError("bad window")
+
+    rig = rig_factory(cap=8, fail=poison)
+    blocker = await rig.block_first_batch()
+    a = rig.batcher.submit("A", [tagged_window(t) for t in (11, 12, 13, 14)], EN)
+    b = rig.batcher.submit("B", [tagged_window(t) for t in (21, 22)], EN)
+    rig.release()
+    res_a = await gather(a)
+    res_b = await gather(b)
+    await gather([blocker])
+    assert isinstance(res_a[2], TranscriptionFailed)
+    assert "bad window" in res_a[2].message
+    assert [r.text for k, r in enumerate(res_a) if k != 2] == ["w11", "w12", "w14"]
+    assert [r.text for r in res_b] == ["w21", "w22"]
+    assert rig.metrics.oom_events._value.get() == 0  # an ordinary error is not an OOM
+
+
+async def test_cancelled_windows_cost_no_compute(rig_factory: Callable[..., Rig]) -> None:
+    rig = rig_factory(cap=4)
+    blocker = await rig.block_first_batch()
+    gone = rig.batcher.submit("gone", [tagged_window(500 + i) for i in range(6)], EN)
+    kept = rig.batcher.submit("kept", [tagged_window(1)], EN)
+    for f in gone:
+        f.cancel()
+    rig.release()
+    await gather([blocker, *kept])
+    seen = {t for _, tags in rig.fake.batches for t in tags}
+    assert not seen & {500 + i for i in range(6)}
+    assert rig.batcher.pending() == 0
+
+
+async def test_engine_errors_never_hang_callers(rig_factory: Callable[..., Rig]) -> None:
+    def always(_: Sequence[Window]) -> None:
+        raise RuntimeError("engine exploded")
+
+    rig = rig_factory(cap=4, fail=always)
+    results = await gather(rig.batcher.submit("j", [tagged_window(i) for i in range(5)], EN))
+    assert all(isinstance(r, TranscriptionFailed) for r in results)
+
+
+async def test_stop_fails_pending_work_with_shutting_down(rig_factory) -> None:
+    rig = rig_factory(cap=2)
+    blocker = await rig.block_first_batch()
+    waiting = rig.batcher.submit("j", [tagged_window(i) for i in range(4)], EN)
+    stop = asyncio.create_task(rig.batcher.stop(grace_s=BOUND))
+    await asyncio.sleep(0)
+    rig.release()  # the batch in flight finishes within the grace period
+    await asyncio.wait_for(stop, BOUND)
+    assert (await gather([blocker]))[0].text == "w999"
+    results = await gather(waiting)
+    assert all(isinstance(r, ShuttingDown) for r in results)
+    with pytest.raises(ShuttingDown):
+        rig.batcher.submit("late", [tagged_window(1)], EN)
