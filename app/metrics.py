@@ -1,7 +1,28 @@
 """Every Prometheus metric of the service, in one place, with buckets chosen for this workload.
 
 The metrics live in a per-app registry (not the global default) so tests can create many apps in
-one process without "duplicated timeseries" errors. Names carry their unit, as Prometheus asks.
+one process without "duplicated timeseries" errors. Names carry their unit, as Prometheus asks;
+counters get the ``_total`` suffix from prometheus-client. The Grafana dashboard
+(deploy/grafana/batchscribe.json) and the alert rules (deploy/prometheus/alerts.yml) query these
+names, and tests/test_metrics.py checks that every name they use is exposed.
+
+Definitions (what the numbers mean):
+
+* ``audio_processed_seconds_total``: speech seconds of the windows the engine transcribed (after
+  VAD, so silence the VAD dropped is not counted); ``processing_seconds_total``: wall seconds the
+  engine spent on batches, summed over engine workers (failed batches, e.g. OOM, included: that
+  time is lost to throughput; without failures it equals ``batch_duration_seconds_sum``). Their
+  rate ratio is the per-worker live real-time factor; ``rate(audio_processed)`` alone is the
+  throughput in audio seconds per second.
+* ``job_rtf_ratio``: per finished job, decoded audio seconds / (claimed -> done) wall seconds,
+  the same number the API reports as the job's ``rtf``; ``job_queue_wait_seconds`` is the API's
+  ``queue_wait_s`` (accepted -> claimed); ``queue_wait_seconds`` is a window's wait in the batcher.
+* ``backlog_audio_seconds``: audio of the jobs queued or running in the (shared) job store, minus
+  what this replica already transcribed of its running jobs. It is store-wide: with several
+  replicas each reports the same backlog, so aggregate it with ``max``, not ``sum``.
+* ``device_memory_*_bytes``: per GPU (NVML) used/total; on CPU the container's (cgroup) or the
+  host's memory used/total. ``engine_memory_bytes``: what this process holds on that device
+  (NVML per-process usage on GPU, resident set size on CPU).
 """
 
 from __future__ import annotations
@@ -14,7 +35,13 @@ from prometheus_client import (
     Info,
     PlatformCollector,
     ProcessCollector,
+    disable_created_metrics,
 )
+
+from app.device import MemoryReading
+
+# The ``_created`` series double the exposition for no use on dashboards or alerts.
+disable_created_metrics()
 
 # Windows per batch: powers of two up to the largest cap we allow by default, plus the odd sizes
 # that OOM halving and partial batches produce.
@@ -42,13 +69,18 @@ class Metrics:
         )
         self.processing = Counter(
             p + "processing_seconds",
-            "Wall seconds the engine spent running batches (summed over workers); "
+            "Wall seconds the engine spent running batches, failed ones included (summed over "
+            "workers); "
             "rate(audio_processed)/rate(processing) is the live real-time factor.",
             registry=r,
         )
         self.job_rtf = Histogram(
             p + "job_rtf_ratio", "Per-job real-time factor (audio s / processing s).",
             buckets=RTF_BUCKETS, registry=r,
+        )
+        self.job_queue_wait = Histogram(
+            p + "job_queue_wait_seconds", "Per finished job: accepted until claimed for work.",
+            buckets=LATENCY_BUCKETS, registry=r,
         )
         self.job_latency = Histogram(
             p + "job_latency_seconds", "Job submit-to-finish time.", ["status"],
@@ -63,7 +95,8 @@ class Metrics:
         )
         self.backlog = Gauge(
             p + "backlog_audio_seconds",
-            "Audio seconds accepted but not yet transcribed (the autoscaling signal).", registry=r,
+            "Audio seconds accepted but not yet transcribed, store-wide: aggregate with max() "
+            "across replicas (the autoscaling signal).", registry=r,
         )
         self.queue_wait = Histogram(
             p + "queue_wait_seconds", "Time a window waited in the batcher before its batch ran.",
@@ -75,7 +108,8 @@ class Metrics:
         )
         self.batches = Counter(p + "batches", "Engine batches run, by outcome.", ["outcome"], registry=r)
         self.batch_duration = Histogram(
-            p + "batch_duration_seconds", "Engine time per batch.", buckets=BATCH_SECONDS_BUCKETS,
+            p + "batch_duration_seconds", "Engine time per successful batch.",
+            buckets=BATCH_SECONDS_BUCKETS,
             registry=r,
         )
         self.batch_cap = Gauge(
@@ -88,10 +122,18 @@ class Metrics:
             buckets=FILL_BUCKETS, registry=r,
         )
         self.device_memory_used = Gauge(
-            p + "device_memory_used_bytes", "Accelerator memory in use.", ["device"], registry=r
+            p + "device_memory_used_bytes",
+            "Memory in use on the device, all processes (GPU: NVML; cpu: container or host).",
+            ["device"], registry=r,
         )
         self.device_memory_total = Gauge(
-            p + "device_memory_total_bytes", "Accelerator memory in total.", ["device"], registry=r
+            p + "device_memory_total_bytes", "Memory of the device in total.", ["device"],
+            registry=r,
+        )
+        self.engine_memory = Gauge(
+            p + "engine_memory_bytes",
+            "Memory this process (the resident model) holds on the device: NVML per-process "
+            "usage on GPU, resident set size on CPU.", ["device"], registry=r,
         )
         self.model_info = Info(p + "model", "The resident model.", registry=r)
         self.http_requests = Counter(
@@ -106,3 +148,19 @@ class Metrics:
             p + "rejected_requests", "Requests refused before a job was made, by reason.",
             ["reason"], registry=r,
         )
+        # Known label values start at 0, so rate(), the error ratios and the dashboard have a
+        # series before the first event (Prometheus' advice for labelled counters).
+        for status in ("done", "failed", "cancelled"):
+            self.jobs_finished.labels(status)
+            self.job_latency.labels(status)
+        for outcome in ("ok", "oom", "error"):
+            self.batches.labels(outcome)
+        self.rejected.labels("backlog")
+
+    def record_memory(self, readings: list[MemoryReading]) -> None:
+        """Set the device memory gauges from one :class:`DeviceMonitor` reading."""
+        for r in readings:
+            self.device_memory_used.labels(r.device).set(r.used_bytes)
+            self.device_memory_total.labels(r.device).set(r.total_bytes)
+            if r.process_bytes is not None:
+                self.engine_memory.labels(r.device).set(r.process_bytes)

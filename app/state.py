@@ -42,6 +42,4 @@ class AppState:
         """Point-in-time gauges read at scrape time (cheap: NVML or /proc, no locks)."""
         m = self.metrics
         m.pending_windows.set(self.batcher.pending())
-        for r in self.monitor.read():
-            m.device_memory_used.labels(r.device).set(r.used_bytes)
-            m.device_memory_total.labels(r.device).set(r.total_bytes)
+        m.record_memory(self.monitor.read())

@@ -1,6 +1,15 @@
-"""Liveness, readiness and Prometheus metrics: all answer while a batch is running."""
+"""Liveness, readiness and Prometheus metrics: all answer while a batch is running.
+
+Batches run on the engine's own threads, so these handlers never wait for inference. ``/metrics``
+refreshes the point-in-time gauges as it is scraped: pending windows and device memory from
+memory/NVML, the backlog and jobs by status from the job store (bounded by a timeout, keeping the
+last values when the store is slow, so a scrape never hangs on the database).
+"""
 
 from __future__ import annotations
+
+import asyncio
+import logging
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import JSONResponse, Response
@@ -10,6 +19,8 @@ from app.api.deps import state
 from app.state import AppState
 
 router = APIRouter(tags=["health"])
+log = logging.getLogger(__name__)
+STORE_TIMEOUT_S = 2.0  # well under Prometheus' default 10 s scrape timeout
 
 
 @router.get("/healthz")
@@ -29,5 +40,9 @@ async def readyz(st: AppState = Depends(state)) -> JSONResponse:
 
 @router.get("/metrics")
 async def metrics(st: AppState = Depends(state)) -> Response:
+    try:
+        await asyncio.wait_for(st.runner.refresh_gauges(), STORE_TIMEOUT_S)
+    except Exception as exc:  # slow or closed store: serve the maintenance loop's last values
+        log.warning("metrics: store gauges not refreshed (%s)", type(exc).__name__)
     st.refresh_gauges()
     return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
