@@ -52,6 +52,7 @@ class Batcher:
         self._groups: dict[DecodeOptions, list[Item]] = {}
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(workers)
+        self._retiring: set[asyncio.Task[None]] = set()  # see retire_slots
         self._running: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -78,6 +79,16 @@ class Batcher:
     def pending(self) -> int:
         return sum(1 for g in self._groups.values() for i in g if not i.future.done())
 
+    def retire_slots(self, n: int) -> None:
+        """Take ``n`` worker slots for good (an engine left the pool, see app/placement.py), so
+        batches form only for threads that can run them, instead of waiting behind the others
+        with whatever windows had arrived."""
+        async def hold() -> None:
+            for _ in range(n):
+                await self._slots.acquire()
+
+        self._retiring.add(asyncio.ensure_future(hold()))
+
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
         self._task = asyncio.create_task(self._loop(), name="batcher")
@@ -85,6 +96,8 @@ class Batcher:
     async def stop(self, grace_s: float) -> None:
         """Stop forming batches, let batches in flight finish (up to ``grace_s``), fail the rest."""
         self._stopping = True
+        for t in self._retiring:
+            t.cancel()
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -171,6 +184,10 @@ class Batcher:
 
     # ---- running a batch ---------------------------------------------------------------------
     async def _dispatch(self, key: DecodeOptions, items: list[Item]) -> None:
+        now = time.monotonic()
+        for i in items:  # once per window, here: OOM retries of a split batch do not count again
+            if not i.future.done():
+                self._metrics.queue_wait.observe(now - i.enqueued)
         try:
             await self._execute(key, items)
         except BaseException as exc:  # never leave a caller hanging, whatever happened
@@ -188,11 +205,10 @@ class Batcher:
             return
         m = self._metrics
         start = time.monotonic()
-        for i in items:
-            m.queue_wait.observe(start - i.enqueued)
         try:
             results = await self._run_batch([i.window for i in items], key)
         except Exception as exc:
+            m.processing.inc(time.monotonic() - start)  # engine time spent, even if wasted
             await self._recover(key, items, exc)
             return
         elapsed = time.monotonic() - start

@@ -7,12 +7,14 @@ variables with a double underscore, e.g. ``BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE=1
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_HOME = Path(os.environ.get("BATCHSCRIBE_HOME", Path.home() / ".cache" / "batchscribe"))
 
@@ -43,6 +45,16 @@ class ModelSettings(BaseModel):
         "OpenMP pool spinning beside CTranslate2's made pyannote 15-25x slower on 2 cores.",
     )
     local_files_only: bool = Field(True, description="Never reach a model hub at run time.")
+    engines: int = Field(
+        0, ge=0, le=64,
+        description="Resident model copies (engines); each batch goes to the least loaded one. "
+        "0: one per visible GPU, 1 on CPU (on CPU, num_workers shares one copy and is cheaper).",
+    )
+    device_index: int = Field(
+        0, ge=0, le=63,
+        description="CUDA ordinal of the GPU an engine runs on; the engine pool sets it to k for "
+        "engine k, so it only needs setting by hand for a single engine on another GPU.",
+    )
 
 
 class BatcherSettings(BaseModel):
@@ -74,6 +86,28 @@ class StorageSettings(BaseModel):
     max_active_jobs: int = Field(
         64, ge=1, le=10_000, description="Jobs decoded and queued in the batcher at once."
     )
+    replica_id: str = Field(
+        "", max_length=128,
+        description="This process's name on the jobs it holds. Empty: <hostname>-<pid>, unique "
+        "among live processes and stable across a container restart in the same pod (pid 1).",
+    )
+    lease_s: float = Field(
+        30.0, ge=1, le=3600,
+        description="A replica that stops heartbeating (every lease_s/6) loses its running jobs "
+        "to the others after this long (PostgreSQL; SQLite has one process and requeues at start).",
+    )
+    blob_url: str = Field(
+        "",
+        description="Where uploads live so any replica can read them. Empty: <data_dir>/uploads "
+        "(a shared volume with several replicas); a path: that folder; s3://bucket/prefix: "
+        "S3-compatible storage (needs boto3; credentials from the usual AWS_* variables).",
+    )
+    s3_endpoint_url: str = Field(
+        "", description="S3-compatible endpoint (MinIO, Ceph, R2...). Empty: AWS."
+    )
+
+    def replica(self) -> str:
+        return self.replica_id or f"{socket.gethostname()}-{os.getpid()}"
 
 
 class LimitSettings(BaseModel):
@@ -87,6 +121,51 @@ class LimitSettings(BaseModel):
     sync_timeout_s: float = Field(
         600.0, gt=0, le=86_400, description="?wait=true gives up after this (the job continues)."
     )
+
+
+class SecuritySettings(BaseModel):
+    """Optional API keys. Empty ``api_key_sha256``: no keys, every caller is the same tenant."""
+
+    # NoDecode: the env value is a plain comma-separated list, not JSON (JSON is accepted too).
+    api_key_sha256: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="SHA-256 hex digests of the accepted API keys (comma-separated in the env). "
+        "Keys themselves are never configured: `printf %s KEY | sha256sum`.",
+    )
+    open_health: bool = Field(default=True, description="/healthz and /readyz answer without a key.")
+    open_metrics: bool = Field(default=True, description="/metrics answers without a key.")
+
+    @field_validator("api_key_sha256", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = json.loads(v) if v.strip().startswith("[") else v.split(",")
+        if isinstance(v, list):
+            v = [str(h).strip().lower() for h in v if str(h).strip()]
+            bad = [h for h in v if len(h) != 64 or any(c not in "0123456789abcdef" for c in h)]
+            if bad:
+                raise ValueError("api_key_sha256 entries must be 64-character hex SHA-256 digests")
+        return v
+
+
+class WebhookSettings(BaseModel):
+    """Job webhooks (``callback_url``). Off unless a secret is set: every delivery is signed."""
+
+    secret: SecretStr = Field(
+        default=SecretStr(""),
+        description="HMAC-SHA256 key for X-Batchscribe-Signature. Empty: webhooks are off and a "
+        "callback_url is refused.",
+    )
+    max_attempts: int = Field(default=8, ge=1, le=100, description="Attempts per delivery.")
+    backoff_s: float = Field(
+        default=2.0, gt=0, le=3600, description="Wait before the 2nd attempt; doubles after each."
+    )
+    max_backoff_s: float = Field(default=3600.0, gt=0, description="Cap on the wait between attempts.")
+    timeout_s: float = Field(default=10.0, gt=0, le=300, description="Per attempt, connect to answer.")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.secret.get_secret_value())
 
 
 class Settings(BaseSettings):
@@ -111,8 +190,15 @@ class Settings(BaseSettings):
     batcher: BatcherSettings = BatcherSettings()
     storage: StorageSettings = StorageSettings()
     limits: LimitSettings = LimitSettings()
+    security: SecuritySettings = SecuritySettings()
+    webhooks: WebhookSettings = WebhookSettings()
 
     def database_url(self) -> str:
-        if self.storage.database_url:
-            return self.storage.database_url
+        url = self.storage.database_url
+        if url:
+            # A bare postgres URL would pick psycopg2, which is not installed: use psycopg 3.
+            for bare in ("postgresql://", "postgres://"):
+                if url.startswith(bare):
+                    return "postgresql+psycopg://" + url[len(bare):]
+            return url
         return f"sqlite+aiosqlite:///{self.storage.data_dir / 'jobs.db'}"

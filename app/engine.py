@@ -11,9 +11,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, Sequence
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -25,6 +26,9 @@ log = logging.getLogger(__name__)
 SAMPLE_RATE = 16_000
 WINDOW_S = 30.0  # Whisper's encoder always sees 30 s; shorter windows are zero-padded
 N_SAMPLES = int(SAMPLE_RATE * WINDOW_S)
+HOP_LENGTH = 160  # mel frames of 10 ms
+N_FRAMES = N_SAMPLES // HOP_LENGTH
+TOKENS_PER_SECOND = SAMPLE_RATE / HOP_LENGTH / 2  # encoder positions: 20 ms each
 
 Task = Literal["transcribe", "translate"]
 
@@ -37,6 +41,8 @@ class DecodeOptions:
     task: Task = "transcribe"
     beam_size: int = 1
     initial_prompt: str | None = None
+    temperature: float = 0.0  # > 0: sample at this temperature instead of beam search
+    word_timestamps: bool = False  # one extra batched ``align`` pass on the same encoder output
 
 
 @dataclass(eq=False)
@@ -53,6 +59,15 @@ class Window:
 
 
 @dataclass
+class Word:
+    word: str  # with its leading space, as Whisper spells it
+    start: float  # seconds from the start of the upload
+    end: float
+    probability: float
+    tokens: list[int] = field(default_factory=list)
+
+
+@dataclass
 class WindowResult:
     text: str
     language: str
@@ -61,6 +76,8 @@ class WindowResult:
     no_speech_prob: float
     compression_ratio: float
     tokens: list[int] = field(default_factory=list)
+    temperature: float = 0.0
+    words: list[Word] | None = None  # only when DecodeOptions.word_timestamps
 
 
 @dataclass(frozen=True)
@@ -102,6 +119,7 @@ class WhisperEngine:
         self.model = WhisperModel(
             model_path,
             device=device,
+            device_index=settings.device_index if device == "cuda" else 0,  # engine k: GPU k
             compute_type=compute_type,
             cpu_threads=settings.cpu_threads,
             num_workers=workers,
@@ -112,7 +130,7 @@ class WhisperEngine:
         self.info = EngineInfo(model_name, device, compute_type, workers)
         log.info("engine ready: %s", self.info)
 
-    def _tokenizer(self, language: str | None, task: Task) -> object:
+    def _tokenizer(self, language: str | None, task: Task) -> Any:
         multilingual = self.model.model.is_multilingual
         return self._tokenizer_cls(
             self.model.hf_tokenizer, multilingual, task=task,
@@ -140,47 +158,90 @@ class WhisperEngine:
             languages = [(options.language or "en", None)] * len(windows)
 
         prompts = []
-        tokenizers = {}
+        tokenizers: dict[str, Any] = {}
         for lang, _ in languages:
             tok = tokenizers.get(lang) or self._tokenizer(lang, options.task)
             tokenizers[lang] = tok
             previous = (
-                tok.encode(" " + options.initial_prompt.strip())  # type: ignore[attr-defined]
+                tok.encode(" " + options.initial_prompt.strip())
                 if options.initial_prompt else []
             )
             prompts.append(self.model.get_prompt(tok, previous, without_timestamps=True))
 
-        # Same decoding parameters as whisperx's FasterWhisperPipeline, so results match it.
+        # Same decoding parameters as whisperx's FasterWhisperPipeline, so results match it;
+        # a temperature samples as faster-whisper does (top-k 0: the whole distribution).
+        search: dict[str, Any] = (
+            {"beam_size": 1, "sampling_topk": 0, "sampling_temperature": options.temperature}
+            if options.temperature > 0 else {"beam_size": options.beam_size, "patience": 1}
+        )
         results = self.model.model.generate(
             encoder_output,
             prompts,
-            beam_size=options.beam_size,
-            patience=1,
             length_penalty=1,
             max_length=self.model.max_length,
             suppress_blank=True,
             suppress_tokens=[-1],
             return_scores=True,
             return_no_speech_prob=True,
+            **search,
         )
         out = []
         for (lang, prob), res, tok in zip(
-            languages, results, (tokenizers[lang] for lang, _ in languages)
+            languages, results, (tokenizers[lang] for lang, _ in languages), strict=True
         ):
             ids = res.sequences_ids[0]
-            eot = tok.eot  # type: ignore[attr-defined]
-            text = tok.tokenizer.decode([t for t in ids if t < eot])  # type: ignore[attr-defined]
+            eot = tok.eot
+            text = tok.tokenizer.decode([t for t in ids if t < eot])
             cum = res.scores[0] * len(ids)  # undo length_penalty=1, as whisperx does
             out.append(WindowResult(
                 text=text, language=lang, language_probability=prob,
                 avg_logprob=float(cum / (len(ids) + 1)),
                 no_speech_prob=float(res.no_speech_prob),
                 compression_ratio=compression_ratio(text), tokens=list(ids),
+                temperature=options.temperature,
             ))
+        if options.word_timestamps:
+            for r, words in zip(out, self._align(encoder_output, windows, out, tokenizers), strict=True):
+                r.words = words
+        return out
+
+    def _align(self, encoder_output: Any, windows: Sequence[Window], results: list[WindowResult],
+               tokenizers: dict[str, Any]) -> list[list[Word]]:
+        """Word times from cross-attention (faster-whisper's method), one ``align`` per language.
+
+        Reuses the batch's encoder output, so word timestamps cost one extra decoder pass over
+        the already-known tokens, not a second model. A batch holds one language except when
+        several jobs' first windows were detected differently: those run as separate groups.
+        """
+        from app.words import word_timings  # imports this module: import it late
+
+        out: list[list[Word]] = [[] for _ in windows]
+        groups: dict[str, list[int]] = {}
+        for k, r in enumerate(results):
+            if any(t < tokenizers[r.language].eot for t in r.tokens):
+                groups.setdefault(r.language, []).append(k)
+        for lang, idx in groups.items():
+            tok = tokenizers[lang]
+            feats = encoder_output if len(idx) == len(windows) else _rows(encoder_output, idx)
+            texts = [[t for t in results[k].tokens if t < tok.eot] for k in idx]
+            frames = [min(N_FRAMES, len(windows[k].audio) // HOP_LENGTH) for k in idx]
+            aligned = self.model.model.align(feats, tok.sot_sequence, texts, frames,
+                                             median_filter_width=7)
+            for k, text, a in zip(idx, texts, aligned, strict=True):
+                out[k] = word_timings(tok, text, a, windows[k])
         return out
 
     def close(self) -> None:
         del self.model
+
+
+def _rows(encoder_output: Any, idx: list[int]) -> Any:
+    """A subset of a batch's encoder output (rare: a batch mixing detected languages)."""
+    import ctranslate2
+
+    if encoder_output.device != "cpu":
+        encoder_output = encoder_output.to_device(ctranslate2.Device.cpu)
+    return ctranslate2.StorageView.from_array(np.ascontiguousarray(np.asarray(encoder_output)[idx]))
 
 
 def _cpu_count() -> int:

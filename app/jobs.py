@@ -12,22 +12,26 @@ import asyncio
 import logging
 import secrets
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, replace
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from app import audio
 from app.batcher import Batcher
+from app.blobs import BlobStore, make_blobs
 from app.config import Settings
 from app.engine import SAMPLE_RATE, DecodeOptions, Window, WindowResult
 from app.errors import ServiceError, ShuttingDown, TranscriptionFailed
 from app.metrics import Metrics
 from app.store import TERMINAL, JobRow, JobStore
+from app.words import window_segments
 
 log = logging.getLogger(__name__)
 
-LEASE_S = 60.0  # a replica that stops heartbeating loses its jobs after this long
+SPOOL_SWEEP_S = 300.0  # how often, and how old an unreferenced spool file must be, to remove it
 
 
 @dataclass
@@ -36,6 +40,7 @@ class Active:
     windows_total: int = 0
     windows_done: int = 0
     audio_done_s: float = 0.0
+    ending: bool = False  # being finished: its audio leaves the backlog with its store row
 
 
 def new_job_id() -> str:
@@ -44,23 +49,34 @@ def new_job_id() -> str:
 
 class JobRunner:
     def __init__(self, settings: Settings, store: JobStore, batcher: Batcher, vad: audio.Vad,
-                 metrics: Metrics, replica: str = "local") -> None:
+                 metrics: Metrics, replica: str | None = None,
+                 blobs: BlobStore | None = None) -> None:
         self.settings = settings
         self.store = store
         self.batcher = batcher
         self.vad = vad
         self.metrics = metrics
-        self.replica = replica
+        self.replica = replica or settings.storage.replica()
+        self.lease_s = settings.storage.lease_s
+        self.blobs = blobs or make_blobs(settings.storage)
         self.active: dict[str, Active] = {}
         self._prep = ThreadPoolExecutor(settings.prep_workers, thread_name_prefix="prep")
         self._wake = asyncio.Event()
         self._done_events: dict[str, asyncio.Event] = {}
+        # One event per subscriber (SSE), set on any change of the job: progress, status, end.
+        self._watchers: dict[str, set[asyncio.Event]] = {}
+        self.on_end: list[Callable[[str, str], None]] = []  # (job_id, status): webhooks wake-up
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
+        self._stopped = False  # stop() has finished: nothing more will end in this process
+        self.admission = asyncio.Lock()  # held from the backlog check to the commit of a job
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
-        n = await self.store.requeue_stale(self.replica)
+        # SQLite: this is the only process on the file, so every "running" job is one it was
+        # running when it stopped. Shared (PostgreSQL): only its own, if its replica id is stable
+        # (a restarted container); other replicas' jobs come back when their leases expire.
+        n = await self.store.requeue_stale(self.replica, everyone=not self.store.shared)
         if n:
             log.info("resuming %d job(s) interrupted by the last stop", n)
         self._tasks = [asyncio.create_task(self._claim_loop(), name="claim"),
@@ -69,40 +85,63 @@ class JobRunner:
 
     async def stop(self, grace_s: float) -> None:
         """Stop claiming, let the batch in flight finish, leave the rest queued."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + grace_s
         self._stopping = True
+        log.info("draining", extra={"active_jobs": len(self.active), "grace_s": grace_s})
         for t in self._tasks:
             t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
+        # Jobs still waiting to be decoded are released at once, not decoded one by one only to
+        # be refused by the stopping batcher (with 64 claimed jobs that ate the whole grace).
+        self._prep.shutdown(wait=False, cancel_futures=True)
         await self.batcher.stop(grace_s)
         tasks = [a.task for a in self.active.values()]
+        if tasks:
+            # Jobs whose last windows were in the batch in flight still have to write their
+            # result; the others got ShuttingDown and release themselves. Cancelling at once
+            # would throw the finished batch away and re-run those jobs after the restart.
+            await asyncio.wait(tasks, timeout=max(0.5, deadline - loop.time()))
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        self._prep.shutdown(wait=False, cancel_futures=True)
+        self._stopped = True
+        log.info("drained", extra={"seconds": round(grace_s - (deadline - loop.time()), 2)})
+        for ev in self._done_events.values():
+            ev.set()  # open ?wait=true requests answer now: 202, their job stays queued
+        for job_id in list(self._watchers):
+            self._changed(job_id)  # event streams close too (see ``stopped``)
 
     # ---- API side ----------------------------------------------------------------------------
     async def submit(self, job_id: str, upload: Path, filename: str | None, options: DecodeOptions,
-                     audio_seconds: float, owner: str | None) -> None:
+                     audio_seconds: float, owner: str | None, callback_url: str | None = None) -> None:
+        # The upload is in the shared blob store before its row exists: whoever claims the job
+        # finds it. The row holds the key, never this replica's path.
+        key = self.blobs.key(upload)
+        await asyncio.to_thread(self.blobs.put, key, upload)
         await self.store.insert(
             id=job_id, owner=owner, status="queued", created_at=time.time(), filename=filename,
-            upload_path=str(upload), options=_options_dict(options), audio_seconds=audio_seconds,
-            windows_done=0, attempts=0,
+            upload_path=key, options=_options_dict(options), audio_seconds=audio_seconds,
+            windows_done=0, attempts=0, callback_url=callback_url,
         )
         self._wake.set()
 
     async def cancel(self, job: JobRow) -> bool:
         if job.status in TERMINAL:
             return False
+        self._ending(job.id)
         ok = await self.store.finish(job.id, None, "cancelled", self.settings.storage.result_ttl_s)
         active = self.active.get(job.id)
         if active:
             active.task.cancel()  # its queued windows are dropped by the batcher for free
         if ok:
             self._job_ended(job.id, "cancelled", job)
-            _unlink(job.upload_path)
+            await self._drop_upload(job.upload_path)
         return ok
 
     async def wait(self, job_id: str, timeout: float) -> None:
+        if self._stopped:
+            return
         ev = self._done_events.setdefault(job_id, asyncio.Event())
         job = await self.store.get(job_id)
         if job is None or job.status in TERMINAL:
@@ -113,6 +152,28 @@ class JobRunner:
         except TimeoutError:
             pass
 
+    @property
+    def stopped(self) -> bool:
+        return self._stopped
+
+    @contextmanager
+    def watch(self, job_id: str) -> Iterator[asyncio.Event]:
+        """An event set whenever the job changes on this replica; clear it before reading state."""
+        ev = asyncio.Event()
+        self._watchers.setdefault(job_id, set()).add(ev)
+        try:
+            yield ev
+        finally:
+            subs = self._watchers.get(job_id)
+            if subs is not None:
+                subs.discard(ev)
+                if not subs:
+                    del self._watchers[job_id]
+
+    def _changed(self, job_id: str) -> None:
+        for ev in self._watchers.get(job_id, ()):
+            ev.set()
+
     def progress(self, job_id: str) -> tuple[int, int] | None:
         a = self.active.get(job_id)
         return (a.windows_done, a.windows_total) if a else None
@@ -120,7 +181,22 @@ class JobRunner:
     async def backlog_seconds(self) -> float:
         """Accepted audio not yet transcribed: what 429 and autoscaling look at."""
         queued = await self.store.queued_audio_seconds()
-        return max(0.0, queued - sum(a.audio_done_s for a in self.active.values()))
+        done = sum(a.audio_done_s for a in self.active.values() if not a.ending)
+        return max(0.0, queued - done)
+
+    async def refresh_gauges(self) -> None:
+        """Jobs by status and the backlog, from the store: on every scrape and in maintenance."""
+        counts = await self.store.counts()
+        for status in ("queued", "running", *TERMINAL):
+            self.metrics.jobs.labels(status).set(counts.get(status, 0))
+        self.metrics.backlog.set(await self.backlog_seconds())
+
+    def _ending(self, job_id: str) -> None:
+        """Stop subtracting a job's done audio before its final store write (no dip in the
+        backlog between that write and the job leaving ``active``)."""
+        a = self.active.get(job_id)
+        if a:
+            a.ending = True
 
     # ---- claiming ----------------------------------------------------------------------------
     async def _claim_loop(self) -> None:
@@ -128,34 +204,56 @@ class JobRunner:
         while True:
             self._wake.clear()
             free = cap - len(self.active)
-            for job in await self.store.claim(self.replica, free, LEASE_S):
+            for job in await self.store.claim(self.replica, free, self.lease_s):
                 task = asyncio.create_task(self._run(job), name=f"job-{job.id}")
                 self.active[job.id] = Active(task)
+                self._changed(job.id)
             try:  # woken by a submit or a finished job; the timeout picks up other replicas' work
                 await asyncio.wait_for(self._wake.wait(), 2.0)
             except TimeoutError:
                 pass
 
     async def _maintenance_loop(self) -> None:
+        next_sweep = 0.0  # first pass: at start-up, to clean up after a crash
         while True:
             try:
                 progress = {k: a.windows_done for k, a in self.active.items()}
-                await self.store.heartbeat(self.replica, progress, LEASE_S)
-                if await self.store.requeue_stale("\0no-replica"):  # others' expired leases
+                held = await self.store.heartbeat(self.replica, progress, self.lease_s)
+                self._drop_lost(set(progress) - held)
+                if await self.store.requeue_stale(None):  # expired leases (a replica died)
                     self._wake.set()
                 await self._purge_expired()
-                counts = await self.store.counts()
-                for status in ("queued", "running", *TERMINAL):
-                    self.metrics.jobs.labels(status).set(counts.get(status, 0))
-                self.metrics.backlog.set(await self.backlog_seconds())
+                if time.monotonic() >= next_sweep:
+                    await self._sweep_spool()
+                    next_sweep = time.monotonic() + SPOOL_SWEEP_S
+                await self.refresh_gauges()
             except Exception:
                 log.exception("maintenance pass failed; retrying")
-            await asyncio.sleep(LEASE_S / 6)
+            await asyncio.sleep(self.lease_s / 6)
+
+    def _drop_lost(self, lost: set[str]) -> None:
+        """Stop jobs whose lease this replica lost (it stalled past the lease and the job was
+        requeued, maybe claimed elsewhere): their result could not be written anyway."""
+        for job_id in lost:
+            a = self.active.get(job_id)
+            if a is not None and not a.ending:  # ending: finished, its lease is already gone
+                log.warning("lease of job %s lost; abandoning it", job_id)
+                a.task.cancel()
+
+    async def _sweep_spool(self) -> None:
+        """Remove uploads no live job needs: left by a crash between spooling and the commit,
+        or between a job's final write and its unlink. Young files may be uploads in progress."""
+        stale = await asyncio.to_thread(self.blobs.stale, time.time() - SPOOL_SWEEP_S)
+        for key in stale:
+            job = await self.store.get(key)  # uploads are stored under their job id
+            if job is None or job.status in TERMINAL:
+                log.info("removing orphaned upload %s", key)
+                await self._drop_upload(key)
 
     async def _purge_expired(self) -> None:
         old = await self.store.expired(time.time())
         for j in old:
-            _unlink(j.upload_path)
+            await self._drop_upload(j.upload_path)
         await self.store.delete([j.id for j in old])
 
     # ---- running one job ---------------------------------------------------------------------
@@ -179,14 +277,19 @@ class JobRunner:
     async def _process(self, job: JobRow) -> None:
         loop = asyncio.get_running_loop()
         lim = self.settings.limits
-        samples, windows = await loop.run_in_executor(
-            self._prep, audio.prepare, Path(job.upload_path), self.vad, lim.max_audio_s
-        )
+        path = await loop.run_in_executor(self._prep, self.blobs.fetch, job.upload_path)
+        try:
+            samples, windows = await loop.run_in_executor(
+                self._prep, audio.prepare, path, self.vad, lim.max_audio_s
+            )
+        finally:
+            self.blobs.release(path)
         active = self.active[job.id]
         active.windows_total = len(windows)
         job.audio_seconds = round(len(samples) / SAMPLE_RATE, 3)  # decoded truth, not the header
         del samples
         await self.store.update(job.id, windows_total=len(windows), audio_seconds=job.audio_seconds)
+        self._changed(job.id)
         opts = DecodeOptions(**job.options)
         results: list[WindowResult] = []
         if windows and opts.language is None:  # detect once, on the first window, then reuse
@@ -207,6 +310,7 @@ class JobRunner:
                     active.windows_done += 1
                     active.audio_done_s += w.duration
                     self._log_progress(job, active)
+                    self._changed(job.id)
             return _done
 
         for f, w in zip(futures, windows, strict=True):
@@ -227,21 +331,22 @@ class JobRunner:
 
     async def _complete(self, job: JobRow, windows: list[Window], results: list[WindowResult],
                         opts: DecodeOptions) -> None:
-        segments = [
-            {"id": k, "start": round(w.start, 3), "end": round(w.end, 3), "text": r.text.strip(),
-             "avg_logprob": r.avg_logprob, "no_speech_prob": r.no_speech_prob,
-             "compression_ratio": r.compression_ratio, "tokens": r.tokens}
-            for k, (w, r) in enumerate(zip(windows, results, strict=True))
-        ]
+        # Sentence segments when word times exist (better subtitles), else one per window.
+        segments = [s for w, r in zip(windows, results, strict=True) for s in window_segments(w, r)]
+        words = [wd for s in segments for wd in s.pop("words")]
+        for k, s in enumerate(segments):
+            s["id"] = k
         result = {
             "text": " ".join(s["text"] for s in segments if s["text"]),
             "language": opts.language,
             "language_probability": results[0].language_probability if results else None,
             "duration": job.audio_seconds, "segments": segments,
+            "words": words if opts.word_timestamps else None,
         }
         # queue wait: accepted -> claimed; processing: claimed -> done (decode, VAD, batches).
         now = time.time()
         started = job.started_at or job.created_at
+        self._ending(job.id)
         ok = await self.store.finish(
             job.id, self.replica, "done", self.settings.storage.result_ttl_s, result=result,
             windows_total=len(windows), windows_done=len(windows),
@@ -249,14 +354,22 @@ class JobRunner:
         )
         if ok:
             self.metrics.job_rtf.observe(job.audio_seconds / max(1e-6, now - started))
+            self.metrics.job_queue_wait.observe(started - job.created_at)
             self._job_ended(job.id, "done", job)
-            _unlink(job.upload_path)
+            await self._drop_upload(job.upload_path)
 
     async def _fail(self, job: JobRow, error: dict[str, Any]) -> None:
+        self._ending(job.id)
         if await self.store.finish(job.id, self.replica, "failed",
                                    self.settings.storage.result_ttl_s, error=error):
             self._job_ended(job.id, "failed", job)
-            _unlink(job.upload_path)
+            await self._drop_upload(job.upload_path)
+
+    async def _drop_upload(self, key: str) -> None:
+        try:
+            await asyncio.to_thread(self.blobs.delete, key)
+        except Exception as exc:  # the orphan sweep retries; never fail a finished job for this
+            log.warning("cannot remove upload %s: %s", key, exc)
 
     def _job_ended(self, job_id: str, status: str, job: JobRow) -> None:
         self.metrics.jobs_finished.labels(status).inc()
@@ -264,18 +377,13 @@ class JobRunner:
         ev = self._done_events.pop(job_id, None)
         if ev:
             ev.set()
+        self._changed(job_id)
+        for hook in self.on_end:
+            hook(job_id, status)
 
 
 def _options_dict(o: DecodeOptions) -> dict[str, Any]:
-    return {"language": o.language, "task": o.task, "beam_size": o.beam_size,
-            "initial_prompt": o.initial_prompt}
-
-
-def _unlink(path: str) -> None:
-    try:
-        Path(path).unlink(missing_ok=True)
-    except OSError as exc:
-        log.warning("cannot remove %s: %s", path, exc)
+    return asdict(o)  # every field, so DecodeOptions(**job.options) round-trips new ones too
 
 
 __all__ = ["JobRunner", "new_job_id", "TranscriptionFailed"]

@@ -16,17 +16,22 @@ from contextlib import asynccontextmanager
 
 from fastapi import FastAPI, Request, Response
 
-from app.api import health, jobs, transcribe
+from app.api import events, health, jobs, openai, transcribe
+from app.api.limits import install_limits
 from app.audio import make_vad
 from app.batcher import Batcher
+from app.blobs import make_blobs
 from app.config import Settings
 from app.device import DeviceMonitor, resolve_device
-from app.engine import Engine, EngineRunner, WhisperEngine
+from app.engine import Engine, WhisperEngine
 from app.errors import install_error_handlers
 from app.jobs import JobRunner
 from app.metrics import Metrics
+from app.placement import load_engines, make_pool
+from app.security import install_security
 from app.state import AppState
 from app.store import JobStore
+from app.webhooks import WebhookDispatcher
 from models.registry import ModelUnavailable, broken_model_message, resolve
 
 log = logging.getLogger("batchscribe")
@@ -50,10 +55,11 @@ def create_app(settings: Settings | None = None,
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         metrics = Metrics()
         try:
-            engine = await asyncio.to_thread(engine_factory, settings)
+            engines = await asyncio.to_thread(load_engines, settings, engine_factory)
         except ModelUnavailable as exc:
             log.critical("cannot start: %s", exc)
             raise
+        engine = engines[0]  # model, device and compute type are the same on every engine
         device = engine.info.device if engine.info.device != "auto" else resolve_device("auto")
         vad_kind = settings.model.vad
         if vad_kind == "auto":
@@ -64,26 +70,49 @@ def create_app(settings: Settings | None = None,
                                  "workers": str(engine.info.num_workers)})
         store = JobStore(settings.database_url())
         settings.storage.data_dir.mkdir(parents=True, exist_ok=True)
-        spool = settings.storage.data_dir / "uploads"
+        blobs = make_blobs(settings.storage)  # uploads: where every replica can read them
+        spool = blobs.spool_dir
         spool.mkdir(parents=True, exist_ok=True)
         await store.init()
-        runner_engine = EngineRunner(engine)
+        runner_engine = make_pool(engines)  # one engine per GPU, least loaded first
         batcher = Batcher(runner_engine.run, settings.batcher, runner_engine.workers, metrics)
-        runner = JobRunner(settings, store, batcher, vad, metrics)
+        runner_engine.on_remove = batcher.retire_slots
+        runner = JobRunner(settings, store, batcher, vad, metrics, blobs=blobs)
         st = AppState(settings=settings, metrics=metrics, store=store, spool_dir=spool,
                       languages=transcribe.whisper_languages(), runner=runner, batcher=batcher,
                       engine=runner_engine, monitor=DeviceMonitor(device))
         app.state.bs = st
+        # Webhooks only with a signing secret; pending deliveries of earlier runs resume here.
+        webhooks = WebhookDispatcher(settings.webhooks, store) if settings.webhooks.enabled else None
+        if webhooks is not None:
+            runner.on_end.append(webhooks.wake)
+            st.extras["webhooks"] = webhooks
+        loop = asyncio.get_running_loop()
+        stopping: list[asyncio.Future[None]] = []
+
+        def drain() -> asyncio.Future[None]:
+            """Refuse new work (503), finish the batch in flight, requeue the rest. Idempotent."""
+            st.ready = False
+            if not stopping:
+                stopping.append(asyncio.ensure_future(runner.stop(settings.shutdown_grace_s)))
+            return stopping[0]
+
+        # Called from the SIGTERM handler (see __main__): uvicorn runs the lifespan shutdown only
+        # after open requests end, and an open ?wait=true request ends when the drain does.
+        app.state.begin_shutdown = lambda: loop.call_soon_threadsafe(drain)
         batcher.start()
         await runner.start()
+        if webhooks is not None:
+            webhooks.start()
         st.ready = True
         log.info("ready", extra={"model": engine.info.model, "device": engine.info.device,
                                  "workers": engine.info.num_workers, "vad": vad_kind})
         try:
             yield
         finally:
-            st.ready = False
-            await runner.stop(settings.shutdown_grace_s)
+            await drain()
+            if webhooks is not None:
+                await webhooks.stop()
             await asyncio.to_thread(runner_engine.close)
             await store.close()
             log.info("stopped")
@@ -94,6 +123,12 @@ def create_app(settings: Settings | None = None,
     app.include_router(transcribe.router)
     app.include_router(jobs.router)
     app.include_router(health.router)
+    app.include_router(events.router)
+    app.include_router(openai.router)
+    # Added innermost first: http_metrics sees every answer, keys are checked before any body
+    # byte is read, and the size limit counts bytes as they stream.
+    install_limits(app, settings.limits)
+    install_security(app, settings.security)
 
     @app.middleware("http")
     async def http_metrics(request: Request,

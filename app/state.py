@@ -9,9 +9,9 @@ from pathlib import Path
 from app.batcher import Batcher
 from app.config import Settings
 from app.device import DeviceMonitor
-from app.engine import EngineRunner
 from app.jobs import JobRunner
 from app.metrics import Metrics
+from app.placement import EnginePool
 from app.store import JobStore
 
 
@@ -24,7 +24,7 @@ class AppState:
     languages: frozenset[str]
     runner: JobRunner
     batcher: Batcher
-    engine: EngineRunner
+    engine: EnginePool  # the engines (one per GPU) behind the batcher
     monitor: DeviceMonitor
     ready: bool = False
     extras: dict[str, object] = field(default_factory=dict)

@@ -1,13 +1,16 @@
-"""Durable job store (SQLAlchemy Core, async): SQLite in WAL mode by default.
+"""Durable job store (SQLAlchemy Core, async): SQLite in WAL mode by default, PostgreSQL to share
+one queue between replicas (``BATCHSCRIBE_STORAGE__DATABASE_URL=postgresql+psycopg://...``).
 
 A job row is committed before the client gets its 202, and the upload is already on disk, so an
 accepted job survives any crash. Jobs move queued -> running (claimed under a lease by one
 replica) -> done | failed | cancelled. Finishing is conditional on still holding the lease, which
 is what makes a result land exactly once even if a crashed replica's job was re-run.
+The schema is versioned (app/migrations, Alembic) and brought up to date by :meth:`JobStore.init`.
 """
 
 from __future__ import annotations
 
+import builtins  # JobStore.list shadows list in the class body's annotations
 import json
 import time
 from dataclasses import dataclass
@@ -15,6 +18,8 @@ from typing import Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
+
+from app.migrations import migrate
 
 TERMINAL = ("done", "failed", "cancelled")
 
@@ -42,7 +47,17 @@ jobs = sa.Table(
     sa.Column("attempts", sa.Integer, nullable=False, default=0),
     sa.Column("lease_owner", sa.String(128)),
     sa.Column("lease_expires_at", sa.Float),
+    sa.Column("replica", sa.String(128)),  # who claimed it last; unlike lease_owner, kept at the end
+    # Webhook delivery (app/webhooks.py). The state becomes "pending" in the same UPDATE that
+    # finishes the job, so a crash between the two can never lose a delivery.
+    sa.Column("callback_url", sa.String(2048)),
+    sa.Column("webhook_status", sa.String(16), index=True),  # pending | delivered | failed
+    sa.Column("webhook_attempts", sa.Integer),
+    sa.Column("webhook_next_at", sa.Float),  # next attempt due (also the lease of one in flight)
+    sa.Column("webhook_last_error", sa.String(512)),
+    sa.Column("webhook_delivered_at", sa.Float),
 )
+WEBHOOK_ON = ("done", "failed")  # final statuses that are delivered to a job's callback_url
 
 
 @dataclass
@@ -67,6 +82,13 @@ class JobRow:
     attempts: int
     lease_owner: str | None
     lease_expires_at: float | None
+    callback_url: str | None = None
+    webhook_status: str | None = None
+    webhook_attempts: int | None = None
+    webhook_next_at: float | None = None
+    webhook_last_error: str | None = None
+    webhook_delivered_at: float | None = None
+    replica: str | None = None
 
 
 def _row(r: Any) -> JobRow:
@@ -76,13 +98,22 @@ def _row(r: Any) -> JobRow:
 class JobStore:
     def __init__(self, url: str) -> None:
         self.url = url
-        self.engine: AsyncEngine = create_async_engine(url)
-        if self.engine.dialect.name == "sqlite":
+        sqlite = url.startswith("sqlite")
+        # pre_ping: a pooled connection that a database restart or failover closed is replaced
+        # instead of failing the next claim or heartbeat.
+        self.engine: AsyncEngine = create_async_engine(url, pool_pre_ping=not sqlite)
+        if sqlite:
             sa.event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
 
+    @property
+    def shared(self) -> bool:
+        """Several processes may use this database (PostgreSQL); SQLite has exactly one."""
+        return self.engine.dialect.name != "sqlite"
+
     async def init(self) -> None:
+        """Create or upgrade the schema (versioned migrations; see app/migrations)."""
         async with self.engine.begin() as conn:
-            await conn.run_sync(metadata.create_all)
+            await conn.run_sync(migrate)
 
     async def close(self) -> None:
         await self.engine.dispose()
@@ -102,7 +133,7 @@ class JobStore:
         async with self.engine.connect() as conn:
             return [_row(r) for r in await conn.execute(q)]
 
-    async def claim(self, replica: str, limit: int, lease_s: float) -> list[JobRow]:
+    async def claim(self, replica: str, limit: int, lease_s: float) -> builtins.list[JobRow]:
         """Take up to ``limit`` queued jobs, oldest first, under a lease for ``replica``.
 
         On PostgreSQL ``FOR UPDATE SKIP LOCKED`` lets replicas claim concurrently without
@@ -122,7 +153,8 @@ class JobStore:
             now = time.time()  # after the select: never earlier than the rows' created_at
             await conn.execute(
                 jobs.update().where(jobs.c.id.in_(ids), jobs.c.status == "queued").values(
-                    status="running", lease_owner=replica, lease_expires_at=now + lease_s,
+                    status="running", lease_owner=replica, replica=replica,
+                    lease_expires_at=now + lease_s,
                     started_at=sa.func.coalesce(jobs.c.started_at, now),
                     attempts=jobs.c.attempts + 1,
                 )
@@ -130,28 +162,36 @@ class JobStore:
             rows = await conn.execute(jobs.select().where(jobs.c.id.in_(ids)))
             return sorted((_row(r) for r in rows), key=lambda j: j.created_at)
 
-    async def heartbeat(self, replica: str, progress: dict[str, int], lease_s: float) -> None:
-        """Extend this replica's leases and record progress (windows done per job)."""
+    async def heartbeat(self, replica: str, progress: dict[str, int], lease_s: float) -> set[str]:
+        """Extend this replica's leases and record progress (windows done per job).
+
+        Returns the ids of the jobs it still holds: a job missing here was taken away (its lease
+        expired while this replica stalled, and another one may be running it now).
+        """
         now = time.time()
+        mine = (jobs.c.lease_owner == replica, jobs.c.status == "running")
         async with self.engine.begin() as conn:
-            await conn.execute(
-                jobs.update().where(jobs.c.lease_owner == replica, jobs.c.status == "running")
-                .values(lease_expires_at=now + lease_s)
-            )
+            await conn.execute(jobs.update().where(*mine).values(lease_expires_at=now + lease_s))
             for job_id, done in progress.items():
                 await conn.execute(
-                    jobs.update().where(jobs.c.id == job_id).values(windows_done=done)
+                    jobs.update().where(jobs.c.id == job_id, *mine).values(windows_done=done)
                 )
+            return {r[0] for r in await conn.execute(sa.select(jobs.c.id).where(*mine))}
 
-    async def requeue_stale(self, replica: str) -> int:
-        """Put back jobs whose lease expired, and jobs this replica held before a restart."""
+    async def requeue_stale(self, replica: str | None, everyone: bool = False) -> int:
+        """Put back jobs whose lease expired, and jobs ``replica`` held before a restart (None:
+        only expired ones). ``everyone``: every running job (SQLite at start-up: no other
+        process can hold one)."""
         now = time.time()
+        stale: sa.ColumnElement[bool] = jobs.c.lease_expires_at < now
+        if everyone:
+            stale = sa.true()
+        elif replica is not None:
+            stale = sa.or_(jobs.c.lease_owner == replica, stale)
         async with self.engine.begin() as conn:
             res = await conn.execute(
-                jobs.update().where(
-                    jobs.c.status == "running",
-                    sa.or_(jobs.c.lease_owner == replica, jobs.c.lease_expires_at < now),
-                ).values(status="queued", lease_owner=None, lease_expires_at=None, windows_done=0)
+                jobs.update().where(jobs.c.status == "running", stale).values(
+                    status="queued", lease_owner=None, lease_expires_at=None, windows_done=0)
             )
             return int(res.rowcount or 0)
 
@@ -175,6 +215,10 @@ class JobStore:
         cond = [jobs.c.id == job_id, jobs.c.status.notin_(TERMINAL)]
         if replica is not None:
             cond.append(jobs.c.lease_owner == replica)
+        if status in WEBHOOK_ON:
+            has_url = jobs.c.callback_url.is_not(None)
+            values.setdefault("webhook_status", sa.case((has_url, "pending"), else_=None))
+            values.setdefault("webhook_next_at", sa.case((has_url, now), else_=None))
         async with self.engine.begin() as conn:
             res = await conn.execute(
                 jobs.update().where(*cond).values(
@@ -184,12 +228,12 @@ class JobStore:
             )
             return bool(res.rowcount)
 
-    async def expired(self, now: float) -> list[JobRow]:
+    async def expired(self, now: float) -> builtins.list[JobRow]:
         q = jobs.select().where(jobs.c.status.in_(TERMINAL), jobs.c.expires_at < now)
         async with self.engine.connect() as conn:
             return [_row(r) for r in await conn.execute(q)]
 
-    async def delete(self, ids: list[str]) -> None:
+    async def delete(self, ids: builtins.list[str]) -> None:
         if ids:
             async with self.engine.begin() as conn:
                 await conn.execute(jobs.delete().where(jobs.c.id.in_(ids)))

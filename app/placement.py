@@ -1,0 +1,229 @@
+"""Several engines in one process (one per GPU), each batch placed on the least loaded one.
+
+The batcher stays unaware of how many engines there are: it calls :meth:`EnginePool.run` with
+``workers`` slots, the sum of every engine's workers. Per batch the pool picks, among engines in
+rotation, the one with the least in-flight work (batches per worker thread, then the device's
+utilisation as NVML reports it, then windows in flight, then the one idle longest), so idle
+engines take turns and a busy one is passed over.
+
+Failures. An out-of-memory error is the batcher's business (it halves its cap and splits the
+batch), so it is passed up as is. Any other error is first blamed on neither side: the batch is
+re-run on another engine. If that one succeeds, the engine that failed is broken and is taken out
+of rotation for good (its worker slots are retired from the batcher); if every engine fails the
+same batch, the batch is at fault (a poison input must not take every GPU out one by one), and the
+error goes up for the batcher to split and isolate the window. The last engine is never removed
+this way; when none is left (none loaded), a batch fails with :class:`NoEngineLeft`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from app.config import Settings
+from app.device import cuda_device_count, is_oom, resolve_device
+from app.engine import DecodeOptions, Engine, EngineRunner, Window, WindowResult
+
+log = logging.getLogger(__name__)
+
+Utilisation = Callable[[int], float | None]  # engine index -> busy fraction 0..1, None: unknown
+
+
+class NoEngineLeft(RuntimeError):
+    pass
+
+
+@dataclass(eq=False)
+class Slot:
+    """One engine and what the pool knows of its load and health."""
+
+    index: int
+    name: str  # "cuda:1", "cpu:0": for logs and status
+    runner: EngineRunner
+    in_rotation: bool = True
+    suspect: bool = False  # failed a batch not yet re-run elsewhere: passed over meanwhile
+    batches: int = 0  # in flight: running or waiting for one of its threads
+    windows: int = 0
+    last_start: float = 0.0
+    done: int = 0  # batches completed here (status and tests)
+    error: str | None = None  # why it left the rotation
+
+    @property
+    def workers(self) -> int:
+        return self.runner.workers
+
+
+class EnginePool:
+    def __init__(self, runners: Sequence[EngineRunner], utilisation: Utilisation | None = None,
+                 on_remove: Callable[[int], None] | None = None) -> None:
+        if not runners:
+            raise ValueError("an engine pool needs at least one engine")
+        self.slots = [Slot(k, f"{r.engine.info.device}:{k}", r) for k, r in enumerate(runners)]
+        self._utilisation = utilisation
+        # Called with the worker count of an engine leaving the rotation (the batcher retires
+        # that many slots, so batches keep forming only for threads that can run them).
+        self.on_remove = on_remove
+
+    # ---- what the rest of the service reads ---------------------------------------------------
+    @property
+    def engine(self) -> Engine:
+        """An engine in rotation: model, device and compute type are the same on all."""
+        live = self.live()
+        return (live[0] if live else self.slots[0]).runner.engine
+
+    @property
+    def workers(self) -> int:
+        return sum(s.workers for s in self.live()) or 1
+
+    def live(self) -> list[Slot]:
+        return [s for s in self.slots if s.in_rotation]
+
+    def status(self) -> list[dict[str, Any]]:
+        return [{"engine": s.name, "in_rotation": s.in_rotation, "batches_in_flight": s.batches,
+                 "batches_done": s.done, "error": s.error} for s in self.slots]
+
+    # ---- placement ----------------------------------------------------------------------------
+    def pick(self, exclude: Sequence[Slot] = ()) -> Slot | None:
+        candidates = [s for s in self.live() if s not in exclude]
+        if not candidates:
+            return None
+        return min(candidates, key=self._load)
+
+    def _load(self, s: Slot) -> tuple[bool, float, float, int, float]:
+        util = self._utilisation(s.index) if self._utilisation else None
+        # Utilisation rounded to 10 %: NVML samples are noisy, and near-equal devices should
+        # fall through to the cheaper, exact keys (our own windows in flight, then idle time).
+        return (s.suspect, s.batches / s.workers, round(util or 0.0, 1), s.windows, s.last_start)
+
+    async def run(self, windows: Sequence[Window], options: DecodeOptions) -> list[WindowResult]:
+        """The batcher's ``run_batch``: place the batch, re-place it if its engine breaks."""
+        tried: list[Slot] = []
+        first: Exception | None = None
+        while True:
+            slot = self.pick(exclude=tried)
+            if slot is None:
+                for s in tried:  # every engine failed it: the batch, not they, is at fault
+                    s.suspect = False
+                if first is not None:
+                    raise first
+                raise NoEngineLeft("no engine left in rotation")
+            tried.append(slot)
+            try:
+                results = await self._run_on(slot, windows, options)
+            except Exception as exc:
+                if is_oom(exc):
+                    raise  # the batcher halves its cap and splits; no engine is to blame
+                log.warning("batch of %d windows failed on engine %s (%s: %s); re-placing it",
+                            len(windows), slot.name, type(exc).__name__, exc)
+                slot.suspect = True
+                first = first or exc
+                continue
+            for bad in tried[:-1]:  # failed what another engine could run: broken
+                self._remove(bad, first)
+            return results
+
+    async def _run_on(self, slot: Slot, windows: Sequence[Window],
+                      options: DecodeOptions) -> list[WindowResult]:
+        slot.batches += 1
+        slot.windows += len(windows)
+        slot.last_start = time.monotonic()
+        try:
+            results = await slot.runner.run(windows, options)
+        finally:
+            slot.batches -= 1
+            slot.windows -= len(windows)
+        slot.suspect = False
+        slot.done += 1
+        return results
+
+    def _remove(self, slot: Slot, exc: Exception | None) -> None:
+        if not slot.in_rotation or len(self.live()) <= 1:
+            return
+        slot.in_rotation = False
+        slot.error = f"{type(exc).__name__}: {exc}" if exc else "failed"
+        log.error("engine %s taken out of rotation: %s; %d engine(s) left", slot.name,
+                  slot.error, len(self.live()))
+        if self.on_remove is not None:
+            self.on_remove(slot.workers)
+
+    def close(self) -> None:
+        for s in self.slots:
+            s.runner.close()
+
+
+# ---- building the engines ---------------------------------------------------------------------
+def engine_count(settings: Settings) -> int:
+    """``model.engines``, or one per visible GPU (0), or one on CPU."""
+    if settings.model.engines:
+        return settings.model.engines
+    if resolve_device(settings.model.device) == "cuda":
+        return max(1, cuda_device_count())
+    return 1
+
+
+def load_engines(settings: Settings, factory: Callable[[Settings], Engine]) -> list[Engine]:
+    """Engine k on GPU k (``model.device_index``). Blocking: call it on a worker thread.
+
+    The first engine's failure is the service's (a missing or broken model: refuse to start);
+    a later one's is that device's, and the service starts on the engines that loaded.
+    """
+    engines: list[Engine] = []
+    for k in range(engine_count(settings)):
+        model = settings.model.model_copy(update={"device_index": k})
+        try:
+            engines.append(factory(settings.model_copy(update={"model": model})))
+        except Exception:
+            if not engines:
+                raise
+            log.exception("engine %d failed to load; continuing without it", k)
+    return engines
+
+
+class NvmlUtilisation:
+    """GPU busy fraction per CUDA ordinal from NVML (honours CUDA_VISIBLE_DEVICES); None if
+    NVML is missing. Cheap enough to read per batch (a driver call, no lock we hold)."""
+
+    def __init__(self) -> None:
+        self._handles: list[Any] | None = None
+        try:
+            import pynvml
+
+            pynvml.nvmlInit()
+            self._nv: Any = pynvml
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            if visible is None:
+                self._handles = [pynvml.nvmlDeviceGetHandleByIndex(i)
+                                 for i in range(pynvml.nvmlDeviceGetCount())]
+            else:
+                self._handles = []
+                for token in (t.strip() for t in visible.split(",")):
+                    if token.isdigit():
+                        self._handles.append(pynvml.nvmlDeviceGetHandleByIndex(int(token)))
+                    elif token.startswith(("GPU-", "MIG-")):
+                        self._handles.append(pynvml.nvmlDeviceGetHandleByUUID(token))
+                    else:  # CUDA ignores this entry and every one after it
+                        break
+        except Exception as exc:
+            log.info("no GPU utilisation readings for placement (%s)", exc)
+            self._handles = None
+
+    def __call__(self, index: int) -> float | None:
+        if not self._handles or index >= len(self._handles):
+            return None
+        try:
+            return float(self._nv.nvmlDeviceGetUtilizationRates(self._handles[index]).gpu) / 100
+        except Exception:
+            return None
+
+
+def make_pool(engines: Sequence[Engine]) -> EnginePool:
+    runners = [EngineRunner(e) for e in engines]
+    util = NvmlUtilisation() if engines[0].info.device == "cuda" and len(engines) > 1 else None
+    return EnginePool(runners, util)
+
+
+__all__ = ["EnginePool", "NoEngineLeft", "Slot", "engine_count", "load_engines", "make_pool"]
