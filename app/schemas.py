@@ -17,7 +17,15 @@ class Segment(BaseModel):
     avg_logprob: float | None = None
     no_speech_prob: float | None = None
     compression_ratio: float | None = None
+    temperature: float | None = None
     tokens: list[int] = []
+
+
+class Word(BaseModel):
+    word: str
+    start: float = Field(description="Seconds from the start of the upload.")
+    end: float
+    probability: float | None = None
 
 
 class Transcription(BaseModel):
@@ -28,6 +36,18 @@ class Transcription(BaseModel):
     )
     duration: float = Field(description="Decoded audio length in seconds.")
     segments: list[Segment]
+    words: list[Word] | None = Field(None, description="Only when word timestamps were asked for.")
+
+
+class WebhookState(BaseModel):
+    url: str
+    status: Literal["waiting", "pending", "delivered", "failed"] = Field(
+        description="waiting: the job has not ended; pending: being delivered or retried."
+    )
+    attempts: int = 0
+    next_attempt_at: float | None = None
+    last_error: str | None = None
+    delivered_at: float | None = None
 
 
 class Progress(BaseModel):
@@ -57,6 +77,7 @@ class Job(BaseModel):
     rtf: float | None = Field(None, description="Real-time factor: audio s / processing s.")
     result: Transcription | None = None
     error: dict[str, Any] | None = None
+    webhook: WebhookState | None = Field(None, description="Only for jobs with a callback_url.")
 
 
 class JobList(BaseModel):

@@ -7,7 +7,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from app.engine import SAMPLE_RATE, DecodeOptions, EngineInfo, Window, WindowResult
+from app.engine import SAMPLE_RATE, DecodeOptions, EngineInfo, Window, WindowResult, Word
 
 
 def tagged_window(tag: int, seconds: float = 2.0, start: float = 0.0) -> Window:
@@ -43,7 +43,11 @@ class FakeEngine:
         return [
             WindowResult(text=f"w{tag_of(w)}", language=options.language or "en",
                          language_probability=None if options.language else 0.99,
-                         avg_logprob=-0.1, no_speech_prob=0.0, compression_ratio=1.0)
+                         avg_logprob=-0.1, no_speech_prob=0.0, compression_ratio=1.0,
+                         temperature=options.temperature,
+                         # One word spanning the window, so word-timestamp paths run too.
+                         words=[Word(f" w{tag_of(w)}", w.start, w.end, 1.0, [tag_of(w)])]
+                         if options.word_timestamps else None)
             for w in windows
         ]
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+
 from fastapi import Request
 
 from app.errors import NotFound, NotReady
-from app.schemas import Job, Progress, Transcription
+from app.schemas import Job, Progress, Transcription, WebhookState
 from app.state import AppState
 from app.store import JobRow
 
@@ -55,5 +56,16 @@ def to_job(row: JobRow, st: AppState, base: str = "") -> Job:
         audio_seconds=row.audio_seconds, queue_wait_s=row.queue_wait_s,
         processing_s=row.processing_s, rtf=rtf,
         result=Transcription.model_validate(row.result) if row.result else None,
-        error=row.error,
+        error=row.error, webhook=webhook_state(row),
+    )
+
+
+def webhook_state(row: JobRow) -> WebhookState | None:
+    if not row.callback_url:
+        return None
+    return WebhookState(
+        url=row.callback_url, status=row.webhook_status or "waiting",  # type: ignore[arg-type]
+        attempts=row.webhook_attempts or 0,
+        next_attempt_at=row.webhook_next_at if row.webhook_status == "pending" else None,
+        last_error=row.webhook_last_error, delivered_at=row.webhook_delivered_at,
     )

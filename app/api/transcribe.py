@@ -11,11 +11,13 @@ from starlette.concurrency import run_in_threadpool
 
 from app import audio
 from app.api.deps import Caller, caller, ready_state, to_job
+from app.api.limits import admitted
 from app.engine import DecodeOptions
-from app.errors import BadRequest, InvalidAudio, Overloaded, PayloadTooLarge
+from app.errors import BadRequest, InvalidAudio, PayloadTooLarge
 from app.jobs import new_job_id
-from app.state import AppState
 from app.schemas import ErrorBody, Job
+from app.state import AppState
+from app.webhooks import check_callback_url
 
 router = APIRouter(tags=["transcription"])
 
@@ -31,7 +33,8 @@ def whisper_languages() -> frozenset[str]:
 
 
 def decode_options(st: AppState, language: str | None, task: str, beam_size: int | None,
-                   initial_prompt: str | None) -> DecodeOptions:
+                   initial_prompt: str | None, temperature: float = 0.0,
+                   word_timestamps: bool = False) -> DecodeOptions:
     lang = (language or "").strip().lower() or None
     if lang is not None and lang not in st.languages:
         raise BadRequest(f"unknown language {language!r}; use an ISO 639-1 code such as 'en'",
@@ -40,6 +43,7 @@ def decode_options(st: AppState, language: str | None, task: str, beam_size: int
         language=lang, task=task,  # type: ignore[arg-type]
         beam_size=beam_size or st.settings.default_beam_size,
         initial_prompt=(initial_prompt or "").strip() or None,
+        temperature=float(temperature), word_timestamps=word_timestamps,
     )
 
 
@@ -57,8 +61,9 @@ def spool_upload(src: UploadFile, dest: Path, max_bytes: int) -> int:
 
 
 async def accept_upload(st: AppState, file: UploadFile, options: DecodeOptions,
-                        who: Caller) -> str:
+                        who: Caller, callback_url: str | None = None) -> str:
     """Spool + probe + backpressure + commit. Returns the new job id (the row is committed)."""
+    callback_url = check_callback_url(st.settings.webhooks, callback_url)  # before any spooling
     job_id = new_job_id()
     # The client's file name is display-only; the spool path is our random id.
     dest = st.spool_dir / job_id
@@ -67,17 +72,9 @@ async def accept_upload(st: AppState, file: UploadFile, options: DecodeOptions,
         if size == 0:
             raise InvalidAudio("the uploaded file is empty")
         info = await run_in_threadpool(audio.probe, dest, st.settings.limits.max_audio_s)
-        backlog = await st.runner.backlog_seconds()
-        limit = st.settings.limits.max_backlog_s
-        if backlog + info.duration_s > limit:
-            retry = st.retry_after_s(backlog + info.duration_s - limit)
-            st.metrics.rejected.labels("backlog").inc()
-            raise Overloaded(
-                f"the queue holds {backlog:.0f} s of audio (limit {limit:.0f} s); retry later",
-                headers={"Retry-After": str(retry)}, retry_after_s=retry,
-            )
-        await st.runner.submit(job_id, dest, (file.filename or "")[:255] or None, options,
-                               info.duration_s, who.owner)
+        async with admitted(st, info.duration_s):  # 429 past the backlog bound
+            await st.runner.submit(job_id, dest, (file.filename or "")[:255] or None, options,
+                                   info.duration_s, who.owner, callback_url)
     except BaseException:
         dest.unlink(missing_ok=True)
         raise
@@ -92,12 +89,18 @@ async def transcribe(
     task: Annotated[Literal["transcribe", "translate"], Form()] = "transcribe",
     beam_size: Annotated[int | None, Form(ge=1, le=10)] = None,
     initial_prompt: Annotated[str | None, Form(max_length=1000)] = None,
+    temperature: Annotated[float, Form(ge=0, le=1, description="0: beam/greedy; > 0: sampling.")] = 0.0,
+    word_timestamps: Annotated[bool, Form(description="Add word start/end times.")] = False,
+    callback_url: Annotated[str | None, Form(
+        max_length=2048, description="POSTed the signed job summary when it ends (webhooks on).",
+    )] = None,
     wait: Annotated[bool, Query(description="Answer with the finished job (200).")] = False,
     st: AppState = Depends(ready_state),
     who: Caller = Depends(caller),
 ) -> JSONResponse:
-    options = decode_options(st, language, task, beam_size, initial_prompt)
-    job_id = await accept_upload(st, file, options, who)
+    options = decode_options(st, language, task, beam_size, initial_prompt, temperature,
+                             word_timestamps)
+    job_id = await accept_upload(st, file, options, who, callback_url)
     if wait:
         # On timeout the job keeps running; the client gets 202 and polls status_url.
         await st.runner.wait(job_id, st.settings.limits.sync_timeout_s)

@@ -1,0 +1,300 @@
+"""OpenAI-compatible audio API: /v1/audio/transcriptions, /v1/audio/translations, /v1/models.
+
+A thin layer over the job API: the upload is accepted exactly like POST /transcribe (spooled,
+probed, backpressured, committed), goes through the same micro-batcher, and the request waits
+for its job. If the client hangs up first, the job is cancelled: nobody can collect the answer
+of a synchronous call (the OpenAI client would retry and pay twice). Errors on these routes use
+OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; the rest of the API keeps
+:mod:`app.errors`' shape.
+
+Segments: verbose_json, srt and vtt are decoded with word alignment, so segments are sentences
+(OpenAI-like, subtitle-sized) instead of whole 30 s windows; words are returned only when
+``timestamp_granularities[]`` asks for them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable, Coroutine, Mapping
+from pathlib import PurePath
+from typing import Annotated, Any, Literal
+
+from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from fastapi.routing import APIRoute
+from pydantic import BaseModel
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.routing import Match
+
+from app.api.deps import Caller, caller, ready_state, state
+from app.api.transcribe import accept_upload, decode_options
+from app.errors import BadRequest, ServiceError
+from app.formats import MEDIA_TYPES, render
+from app.state import AppState
+from app.store import TERMINAL, JobRow
+
+ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
+Granularity = Literal["word", "segment"]
+ALIASES = ("whisper-1",)  # what OpenAI clients send by default: served by the loaded model
+STARTED = int(time.time())  # the model card's "created": when this process loaded it
+ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+class OpenAIErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | None = None
+
+
+class OpenAIError(BaseModel):
+    error: OpenAIErrorDetail
+
+
+class ModelCard(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str
+
+
+class ModelList(BaseModel):
+    object: Literal["list"] = "list"
+    data: list[ModelCard]
+
+
+class VerboseSegment(BaseModel):
+    id: int
+    seek: int
+    start: float
+    end: float
+    text: str
+    tokens: list[int]
+    temperature: float
+    avg_logprob: float | None
+    compression_ratio: float | None
+    no_speech_prob: float | None
+
+
+class VerboseWord(BaseModel):
+    word: str
+    start: float
+    end: float
+
+
+class OpenAITranscription(BaseModel):
+    """json: ``text`` only; verbose_json: every field (``words`` when asked for)."""
+
+    text: str
+    task: Literal["transcribe", "translate"] | None = None
+    language: str | None = None
+    duration: float | None = None
+    language_probability: float | None = None
+    segments: list[VerboseSegment] | None = None
+    words: list[VerboseWord] | None = None
+
+
+def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
+    return {c: {"model": OpenAIError} for c in codes}
+
+
+SUBTITLES = {"content": {MEDIA_TYPES[f]: {"schema": {"type": "string"}} for f in ("text", "srt", "vtt")}}
+AUDIO_RESPONSES = {200: {"model": OpenAITranscription, **SUBTITLES},
+                   **_errors(400, 404, 409, 413, 415, 422, 429, 500, 503, 504)}
+
+
+def openai_error(status: int, message: str, *, code: str | None = None, param: str | None = None,
+                 headers: Mapping[str, str] | None = None) -> JSONResponse:
+    etype = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    body = {"error": {"message": message, "type": etype, "param": param, "code": code}}
+    return JSONResponse(body, status_code=status, headers=headers)
+
+
+class OpenAIRoute(APIRoute):
+    """Renders every error raised while handling a /v1 request in OpenAI's shape."""
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        handler = super().get_route_handler()
+
+        async def handle(request: Request) -> Response:
+            try:
+                return await handler(request)
+            except ServiceError as exc:
+                field = exc.details.get("field")
+                return openai_error(exc.status_code, exc.message, code=exc.error_type,
+                                    param=str(field) if field else None, headers=exc.headers)
+            except RequestValidationError as exc:  # OpenAI answers 400, naming the parameter
+                errs = exc.errors()
+                loc = [str(p) for p in (errs[0].get("loc", ()) if errs else ()) if p != "body"]
+                msg = "; ".join(f"{'.'.join(str(p) for p in e.get('loc', ())[1:])}: {e.get('msg')}"
+                                for e in errs) or "invalid request"
+                return openai_error(400, msg, code="invalid_value", param=".".join(loc) or None)
+            except StarletteHTTPException as exc:
+                return openai_error(exc.status_code, str(exc.detail), headers=exc.headers)
+
+        return handle
+
+
+router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
+
+
+def model_id(st: AppState) -> str:
+    return PurePath(st.engine.engine.info.model).name  # a model folder path: its name
+
+
+def check_model(st: AppState, model: str) -> None:
+    if model not in (model_id(st), *ALIASES):
+        raise _ModelNotFound(f"The model `{model}` does not exist; this service runs "
+                             f"`{model_id(st)}` (also reachable as {', '.join(ALIASES)}).",
+                             field="model")
+
+
+class _ModelNotFound(ServiceError):
+    status_code = 404
+    error_type = "model_not_found"
+
+
+def _card(st: AppState) -> ModelCard:
+    return ModelCard(id=model_id(st), created=STARTED, owned_by="batchscribe")
+
+
+@router.get("/models", response_model=ModelList)
+async def list_models(st: AppState = Depends(state)) -> ModelList:
+    return ModelList(data=[_card(st)])
+
+
+@router.get("/models/{model}", response_model=ModelCard, responses=_errors(404, 422))
+async def get_model(model: str, st: AppState = Depends(state)) -> ModelCard:
+    check_model(st, model)
+    return _card(st)
+
+
+FileField = Annotated[UploadFile, File(description="Audio: wav, flac, mp3, ogg, m4a, webm.")]
+ModelField = Annotated[str, Form(description="whisper-1, or the id from GET /v1/models.")]
+PromptField = Annotated[str | None, Form(max_length=1000)]
+FormatField = Annotated[ResponseFormat, Form()]
+TemperatureField = Annotated[float, Form(ge=0, le=1)]
+
+
+@router.post("/audio/transcriptions", response_model=None, responses=AUDIO_RESPONSES)
+async def transcriptions(
+    request: Request, file: FileField, model: ModelField,
+    language: Annotated[str | None, Form(description="ISO 639-1; detected when absent.")] = None,
+    prompt: PromptField = None, response_format: FormatField = "json",
+    temperature: TemperatureField = 0.0,
+    granularities: Annotated[list[Granularity] | None, Form(alias="timestamp_granularities[]")] = None,
+    granularities_plain: Annotated[list[Granularity] | None,
+                                   Form(alias="timestamp_granularities")] = None,
+    st: AppState = Depends(ready_state), who: Caller = Depends(caller),
+) -> Response:
+    gran: set[str] = set(granularities or []) | set(granularities_plain or [])
+    return await _run(request, st, who, file, model, "transcribe", language, prompt,
+                      response_format, temperature, gran)
+
+
+@router.post("/audio/translations", response_model=None, responses=AUDIO_RESPONSES)
+async def translations(
+    request: Request, file: FileField, model: ModelField, prompt: PromptField = None,
+    response_format: FormatField = "json", temperature: TemperatureField = 0.0,
+    st: AppState = Depends(ready_state), who: Caller = Depends(caller),
+) -> Response:
+    """Speech in any language to English text (Whisper's translate task)."""
+    return await _run(request, st, who, file, model, "translate", None, prompt, response_format,
+                      temperature, set())
+
+
+async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, model: str,
+               task: str, language: str | None, prompt: str | None, fmt: str,
+               temperature: float, gran: set[str]) -> Response:
+    check_model(st, model)
+    if "word" in gran and fmt != "verbose_json":
+        raise BadRequest("timestamp_granularities word needs response_format=verbose_json",
+                         field="timestamp_granularities[]")
+    aligned = fmt in ("verbose_json", "srt", "vtt")
+    options = decode_options(st, language, task, None, prompt, temperature, aligned)
+    job_id = await accept_upload(st, file, options, who)
+    row = await _wait(request, st, job_id)
+    headers = {"X-Batchscribe-Job-Id": job_id}
+    if row is not None and row.status not in TERMINAL and st.runner.stopped:
+        # Draining: the client will retry elsewhere, so this copy must not run after restart.
+        await st.runner.cancel(row)
+        return openai_error(503, "the service is restarting; retry the request",
+                            code="shutting_down", headers={**headers, "Retry-After": "1"})
+    if row is None or row.status != "done" or row.result is None:
+        return _unfinished(job_id, row, headers)
+    result = row.result
+    if fmt == "json":
+        return JSONResponse({"text": result["text"]}, headers=headers)
+    if fmt == "verbose_json":
+        return JSONResponse(verbose_json(result, task, "word" in gran), headers=headers)
+    return PlainTextResponse(render(result, fmt), media_type=MEDIA_TYPES[fmt], headers=headers)
+
+
+async def _wait(request: Request, st: AppState, job_id: str) -> JobRow | None:
+    """Wait for the job, or cancel it as soon as the client disconnects."""
+    waiting = asyncio.create_task(st.runner.wait(job_id, st.settings.limits.sync_timeout_s))
+    gone = asyncio.create_task(_disconnected(request))
+    try:
+        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (waiting, gone):
+            t.cancel()
+        await asyncio.gather(waiting, gone, return_exceptions=True)
+    row = await st.store.get(job_id)
+    if gone.done() and not gone.cancelled() and row is not None and row.status not in TERMINAL:
+        await st.runner.cancel(row)
+    return row
+
+
+async def _disconnected(request: Request) -> None:
+    # The body is fully read (the form is parsed): the next ASGI message is the disconnect.
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def _unfinished(job_id: str, row: JobRow | None, headers: dict[str, str]) -> Response:
+    if row is not None and row.status == "failed":
+        err = row.error or {}
+        return openai_error(500, str(err.get("message", "transcription failed")),
+                            code=str(err.get("type", "transcription_failed")), headers=headers)
+    if row is not None and row.status == "cancelled":
+        return openai_error(409, f"job {job_id} was cancelled", code="cancelled", headers=headers)
+    return openai_error(504, f"the transcription is still running; it continues as job {job_id} "
+                        f"(GET /jobs/{job_id})", code="timeout", headers=headers)
+
+
+def verbose_json(result: dict[str, Any], task: str, words: bool) -> dict[str, Any]:
+    from whisperx.utils import LANGUAGES  # a plain dict module: no torch import
+
+    code = result.get("language")
+    out: dict[str, Any] = {
+        "task": task, "language": LANGUAGES.get(code or "", code), "duration": result["duration"],
+        "text": result["text"], "language_probability": result.get("language_probability"),
+        "segments": [
+            {"id": s["id"], "seek": s.get("seek", 0), "start": s["start"], "end": s["end"],
+             "text": s["text"], "tokens": s.get("tokens", []),
+             "temperature": s.get("temperature", 0.0), "avg_logprob": s.get("avg_logprob"),
+             "compression_ratio": s.get("compression_ratio"),
+             "no_speech_prob": s.get("no_speech_prob")}
+            for s in result.get("segments", [])
+        ],
+    }
+    if words:
+        out["words"] = [{"word": w["word"], "start": w["start"], "end": w["end"]}
+                        for w in result.get("words") or []]
+    return out
+
+
+@router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],
+                  include_in_schema=False)
+async def unknown(request: Request) -> Response:
+    """Unknown /v1 paths (404) and methods (405) answer in OpenAI's shape too."""
+    allowed = {m for r in router.routes if isinstance(r, APIRoute) and r.name != "unknown"
+               and r.matches(request.scope)[0] == Match.PARTIAL for m in r.methods or ()}
+    if allowed:
+        return openai_error(405, f"Method {request.method} not allowed for {request.url.path}",
+                            code="method_not_allowed", headers={"Allow": ", ".join(sorted(allowed))})
+    return openai_error(404, f"Unknown request URL: {request.method} {request.url.path}",
+                        code="unknown_url")

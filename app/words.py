@@ -1,0 +1,182 @@
+"""Word timestamps from Whisper's cross-attention, and sentence segments built from them.
+
+``word_timings`` is faster-whisper's ``find_alignment`` + ``add_word_timestamps`` for one window
+decoded without timestamp tokens (whisperx style): CTranslate2's ``align`` gives, per text
+token, the encoder frame its attention heads look at; a word starts where its first token's
+frame jumps. The same two heuristics as faster-whisper keep words at sentence boundaries and
+after the window's leading silence from swallowing the pause. Pure functions, no model here.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from app.engine import SAMPLE_RATE, TOKENS_PER_SECOND, Window, WindowResult, Word
+
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
+PREPEND_PUNCTUATIONS = "\"'“¿([{-"
+APPEND_PUNCTUATIONS = "\"'.。,，!！?？:：”)]}、"
+SENTENCE_END = (".", "?", "!", "。", "？", "！", "…")
+# A sentence longer than either is cut at its best pause: segments stay subtitle-sized.
+MAX_SEGMENT_S = 8.0
+MAX_SEGMENT_CHARS = 100
+
+
+def word_timings(tok: Any, text_tokens: list[int], alignment: Any, window: Window) -> list[Word]:
+    """Words of one window, in upload time, ordered, inside the window."""
+    from faster_whisper.transcribe import merge_punctuations
+
+    words, word_tokens = tok.split_to_word_tokens([*text_tokens, tok.eot])
+    if len(word_tokens) <= 1:
+        return []
+    bounds = np.pad(np.cumsum([len(t) for t in word_tokens[:-1]]), (1, 0))
+    text_idx = np.array([p[0] for p in alignment.alignments])
+    time_idx = np.array([p[1] for p in alignment.alignments])
+    if len(text_idx) == 0:
+        return []
+    jumps = np.pad(np.diff(text_idx), (1, 0), constant_values=1).astype(bool)
+    jump_times = time_idx[jumps] / TOKENS_PER_SECOND
+    if len(jump_times) <= int(bounds[-1]):  # alignment shorter than the text: no trustworthy times
+        return []
+    probs = alignment.text_token_probs
+    timing = [
+        {"word": w, "tokens": t, "start": float(jump_times[i]), "end": float(jump_times[j]),
+         "probability": float(np.mean(probs[i:j])) if j > i else 0.0}
+        for w, t, i, j in zip(words, word_tokens, bounds[:-1], bounds[1:], strict=False)
+    ]
+    median, longest = _duration_caps(timing)
+    if timing and longest > 0:
+        # faster-whisper's hack: attention smears a sentence-end mark over the following pause.
+        for i in range(1, len(timing)):
+            if timing[i]["end"] - timing[i]["start"] > longest:
+                if timing[i]["word"] in SENTENCE_END:
+                    timing[i]["end"] = timing[i]["start"] + longest
+                elif timing[i - 1]["word"] in SENTENCE_END:
+                    timing[i]["start"] = timing[i]["end"] - longest
+    merge_punctuations(timing, PREPEND_PUNCTUATIONS, APPEND_PUNCTUATIONS)
+    timing = [t for t in timing if t["word"]]
+    if timing and longest > 0:
+        _trim_first_word(timing, median, longest)
+    sound = sound_starts(window.audio)
+    for k, t in enumerate(timing):
+        # Without timestamp tokens the alignment path starts at frame 0, so the first word
+        # absorbs the window's leading silence (the VAD pads 0.4 s), and a word after a pause
+        # often absorbs the pause: such a word starts where sound does, if that is inside it.
+        # 0.2 s of quiet: longer than a soft consonant, so words are not cut into.
+        onset = first_sound(sound, t["start"], t["end"] - 0.02)
+        if onset is not None and (k == 0 or onset - t["start"] >= 0.2
+                                  or t["end"] - t["start"] > longest):
+            t["start"] = onset
+    span = window.end - window.start
+    out: list[Word] = []
+    last = 0.0
+    for t in timing:
+        start = min(max(t["start"], last), span)
+        end = min(max(t["end"], start), span)
+        out.append(Word(t["word"], round(window.start + start, 3), round(window.start + end, 3),
+                        round(t["probability"], 4), list(t["tokens"])))
+        last = start
+    return out
+
+
+HOP_S = 0.01  # energy frames of 10 ms
+
+
+def sound_starts(audio: np.ndarray) -> np.ndarray | None:
+    """Per 10 ms frame: does 30 ms clearly above the window's noise floor start here?"""
+    hop = round(SAMPLE_RATE * HOP_S)
+    n = len(audio) // hop
+    if n < 4:
+        return None
+    frames = audio[: n * hop].astype(np.float64).reshape(n, hop)
+    db = 10 * np.log10(np.mean(frames**2, axis=1) + 1e-12)
+    floor, peak = np.percentile(db, 10), np.percentile(db, 95)
+    if peak - floor < 10:  # no clear speech/silence contrast: leave the alignment alone
+        return None
+    loud = db > floor + 0.3 * (peak - floor)
+    result: np.ndarray = np.convolve(loud, np.ones(3, dtype=int), mode="valid") == 3
+    return result
+
+
+def first_sound(sound: np.ndarray | None, start: float, end: float) -> float | None:
+    """The first sound in [start, end) (window seconds), None if none or already at start."""
+    if sound is None:
+        return None
+    i, j = round(start / HOP_S), min(len(sound), round(end / HOP_S))
+    hits = np.flatnonzero(sound[i:j]) if j > i else np.array([], dtype=int)
+    return (i + int(hits[0])) * HOP_S if len(hits) and hits[0] > 0 else None
+
+
+def _duration_caps(timing: list[dict[str, Any]]) -> tuple[float, float]:
+    durations = np.array([t["end"] - t["start"] for t in timing])
+    durations = durations[durations.nonzero()]
+    median = min(0.7, float(np.median(durations))) if len(durations) else 0.0
+    return median, median * 2
+
+
+def _trim_first_word(timing: list[dict[str, Any]], median: float, longest: float) -> None:
+    """The first word after the window's leading silence tends to start at 0: cap its length."""
+    first = timing[0]
+    if first["end"] > median * 4 and (
+        first["end"] - first["start"] > longest
+        or (len(timing) > 1 and timing[1]["end"] - first["start"] > longest * 2)
+    ):
+        if len(timing) > 1 and timing[1]["end"] - timing[1]["start"] > longest:
+            boundary = max(timing[1]["end"] / 2, timing[1]["end"] - longest)
+            first["end"] = timing[1]["start"] = boundary
+        first["start"] = max(0.0, first["end"] - longest)
+
+
+def window_segments(window: Window, result: WindowResult) -> list[dict[str, Any]]:
+    """One window's segments: sentences when word times exist, else the whole window.
+
+    Every segment of a window shares its decode's avg_logprob, no_speech_prob,
+    compression_ratio and temperature, as in openai-whisper where they are per 30 s decode.
+    """
+    common = {"avg_logprob": result.avg_logprob, "no_speech_prob": result.no_speech_prob,
+              "compression_ratio": result.compression_ratio, "temperature": result.temperature,
+              "seek": round(window.start * 100)}
+    if not result.words:
+        return [{"start": round(window.start, 3), "end": round(window.end, 3),
+                 "text": result.text.strip(), "tokens": result.tokens, "words": [], **common}]
+    return [
+        {"start": ws[0].start, "end": ws[-1].end, "text": "".join(w.word for w in ws).strip(),
+         "tokens": [t for w in ws for t in w.tokens], "words": [_word_dict(w) for w in ws],
+         **common}
+        for ws in split_sentences(result.words)
+    ]
+
+
+def _word_dict(w: Word) -> dict[str, Any]:
+    return {"word": w.word.strip(), "start": w.start, "end": w.end, "probability": w.probability}
+
+
+def split_sentences(words: Sequence[Word], max_s: float = MAX_SEGMENT_S) -> list[list[Word]]:
+    """Group words into sentences; a sentence longer than ``max_s`` splits at its longest pause."""
+    groups: list[list[Word]] = []
+    cur: list[Word] = []
+    for w in words:
+        cur.append(w)
+        if w.word.strip().endswith(SENTENCE_END):
+            groups.append(cur)
+            cur = []
+    if cur:
+        groups.append(cur)
+    out: list[list[Word]] = []
+    for g in groups:
+        out.extend(_split_long(g, max_s))
+    return out
+
+
+def _split_long(ws: list[Word], max_s: float) -> list[list[Word]]:
+    chars = sum(len(w.word) for w in ws)
+    if len(ws) < 2 or (ws[-1].end - ws[0].start <= max_s and chars <= MAX_SEGMENT_CHARS):
+        return [ws]
+    gaps = [(ws[i].start - ws[i - 1].end, i) for i in range(1, len(ws))]
+    # The longest pause, with a bonus for one after a comma-like mark (a natural break).
+    best = max(gaps, key=lambda g: g[0] + 0.3 * ws[g[1] - 1].word.rstrip().endswith((",", ";", ":")))[1]
+    return _split_long(ws[:best], max_s) + _split_long(ws[best:], max_s)
