@@ -41,7 +41,8 @@ ENV UV_PYTHON_INSTALL_DIR=/opt/python \
     VIRTUAL_ENV=/opt/venv \
     PATH=/opt/venv/bin:$PATH
 WORKDIR /src
-RUN mkdir -p /opt/python && uv venv --python 3.11 /opt/venv
+# --seed puts pip in the venv: `python -m models.provision` runs `pip download`.
+RUN mkdir -p /opt/python && uv venv --seed --python 3.11 /opt/venv
 # Dependencies first (from pyproject.toml alone) so source edits do not reinstall torch.
 COPY pyproject.toml ./
 # The cpu variant takes torch from PyTorch's CPU index: PyPI's linux torch is the CUDA build
@@ -90,12 +91,13 @@ ENV PATH=/opt/venv/bin:$PATH \
     BATCHSCRIBE_HOST=0.0.0.0 \
     BATCHSCRIBE_PORT=8000 \
     BATCHSCRIBE_MODEL__CACHE_DIR=/models \
-    BATCHSCRIBE_STORAGE__DATA_DIR=/data
+    BATCHSCRIBE_STORAGE__DATA_DIR=/data \
+    HF_HUB_OFFLINE=1
 USER 10001:10001
 WORKDIR /home/app
 EXPOSE 8000
 # Liveness only (/healthz); readiness (/readyz, model loaded) is for the load balancer.
 HEALTHCHECK --interval=30s --timeout=5s --start-period=60s --retries=3 \
   CMD ["python", "-c", "import os, urllib.request as u; u.urlopen('http://127.0.0.1:%s/healthz' % os.environ.get('BATCHSCRIBE_PORT', '8000'), timeout=4)"]
-# The app handles SIGTERM itself (BATCHSCRIBE_SHUTDOWN_GRACE_S); give `docker stop` more than that.
+# The app handles SIGTERM itself (up to 2 x BATCHSCRIBE_SHUTDOWN_GRACE_S): `docker stop -t 60`.
 CMD ["python", "-m", "app"]

@@ -2,13 +2,40 @@
 
 from __future__ import annotations
 
+import math
 import os
 import sys
+from types import FrameType
+
+# Before torch or CTranslate2 load: idle OpenMP threads sleep instead of spinning, so torch's
+# pool (mel, pyannote VAD) and CTranslate2's do not starve each other on a few cores.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 import uvicorn
+from fastapi import FastAPI
 
 from app.config import Settings
 from app.main import create_app, setup_logging
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn, plus: a SIGTERM starts the app's drain at once.
+
+    uvicorn alone stops listening, waits for open requests, and only then runs the lifespan
+    shutdown; meanwhile the runner would keep starting new batches, and an open ``?wait=true``
+    request would hold the drain up to its sync time-out. Draining from the signal keeps the whole
+    exit within ``shutdown_grace_s`` (what Kubernetes' terminationGracePeriodSeconds expects).
+    """
+
+    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+        super().__init__(config)
+        self.app = app
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        super().handle_exit(sig, frame)
+        begin = getattr(self.app.state, "begin_shutdown", None)
+        if begin is not None:  # None while the model is still loading: nothing to drain
+            begin()
 
 
 def main() -> int:
@@ -17,10 +44,14 @@ def main() -> int:
               "malloc (see README)", file=sys.stderr)
     settings = Settings()
     setup_logging(os.environ.get("BATCHSCRIBE_LOG_LEVEL", "INFO"))
-    uvicorn.run(
-        create_app(settings), host=settings.host, port=settings.port, log_config=None,
-        timeout_graceful_shutdown=int(settings.shutdown_grace_s) or None,
+    app = create_app(settings)
+    config = uvicorn.Config(
+        app, host=settings.host, port=settings.port, log_config=None,
+        # Open requests get the grace plus a second: the drain (same grace) answers the last
+        # ?wait=true requests at its end. Never None: 0 must not mean "wait forever".
+        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s) + 1,
     )
+    GracefulServer(config, app).run()
     return 0
 
 

@@ -42,6 +42,8 @@ def probe(path: Path, max_audio_s: float) -> Probe:
                 raise UnsupportedMedia("the upload has no audio stream")
             s = c.streams.audio[0]
             duration = _declared_duration(c, s)
+            if duration is None:  # e.g. a browser's streamed webm: time the packets instead
+                duration = _packet_duration(path, max_audio_s)
             if duration is not None and duration > max_audio_s:
                 raise PayloadTooLarge(
                     f"audio is {duration:.0f} s long; the limit is {max_audio_s:.0f} s",
@@ -74,6 +76,22 @@ def _declared_duration(c: Any, s: Any) -> float | None:
     if c.duration is not None:
         return float(c.duration) / av.time_base
     return None
+
+
+def _packet_duration(path: Path, max_audio_s: float) -> float | None:
+    """End time of the last audio packet: demuxing only (no decoding), so it stays cheap.
+
+    Without it a header-less upload would count as 0 s in the backlog until it is decoded,
+    and a burst of them would pass the 429 check. Stops once past the limit.
+    """
+    end = 0.0
+    with av.open(str(path), mode="r", metadata_errors="ignore") as c:
+        for packet in c.demux(audio=0):
+            if packet.pts is not None and packet.time_base is not None:
+                end = max(end, float((packet.pts + (packet.duration or 0)) * packet.time_base))
+                if end > max_audio_s:
+                    break
+    return end or None
 
 
 def _frames(container: Any) -> Any:

@@ -69,7 +69,10 @@ class JobRunner:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._stopped = False  # stop() has finished: nothing more will end in this process
-        self.admission = asyncio.Lock()  # held from the backlog check to the commit of a job
+        # Audio the API has admitted whose job row is not committed yet (see api.limits.admitted):
+        # counted in the backlog so concurrent uploads cannot all see the same room.
+        self.admitting_s = 0.0
+        self.admission = asyncio.Lock()  # one backlog check at a time (the commits run freely)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -180,9 +183,12 @@ class JobRunner:
 
     async def backlog_seconds(self) -> float:
         """Accepted audio not yet transcribed: what 429 and autoscaling look at."""
+        # Reservations read before the query: a job committed meanwhile is counted twice at
+        # worst (for an instant), never missed.
+        pending = self.admitting_s
         queued = await self.store.queued_audio_seconds()
         done = sum(a.audio_done_s for a in self.active.values() if not a.ending)
-        return max(0.0, queued - done)
+        return max(0.0, queued - done) + pending
 
     async def refresh_gauges(self) -> None:
         """Jobs by status and the backlog, from the store: on every scrape and in maintenance."""

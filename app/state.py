@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import time
+from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,6 +15,9 @@ from app.jobs import JobRunner
 from app.metrics import Metrics
 from app.placement import EnginePool
 from app.store import JobStore
+
+RECENT_SPEED_S = 300.0  # the window "current speed" is measured over
+MIN_BUSY_S = 5.0  # engine time that window needs before it is trusted over the whole run
 
 
 @dataclass
@@ -28,12 +33,25 @@ class AppState:
     monitor: DeviceMonitor
     ready: bool = False
     extras: dict[str, object] = field(default_factory=dict)
+    # (monotonic time, audio processed, engine busy s) at recent Retry-After estimates.
+    _speed: deque[tuple[float, float, float]] = field(default_factory=deque)
 
     def retry_after_s(self, excess_audio_s: float) -> int:
-        """Seconds until the backlog has drained by ``excess_audio_s`` at the observed speed."""
+        """Seconds until the backlog has drained by ``excess_audio_s`` at the current speed.
+
+        Current: over the batches of the last few minutes (the load mix, beam sizes or a
+        co-tenant change the speed), falling back to the whole run while those are too few.
+        """
         m = self.metrics
-        audio = m.audio_processed._value.get()
-        busy = m.processing._value.get()
+        now, audio, busy = time.monotonic(), m.audio_processed._value.get(), m.processing._value.get()
+        recent = self._speed
+        if not recent or now - recent[-1][0] >= 1.0:  # one sample a second bounds the deque
+            recent.append((now, audio, busy))
+        while len(recent) > 1 and recent[0][0] < now - RECENT_SPEED_S:
+            recent.popleft()
+        _, audio0, busy0 = recent[0]
+        if busy - busy0 >= MIN_BUSY_S:
+            audio, busy = audio - audio0, busy - busy0
         # Throughput in audio s per wall s: per-worker speed times the workers running at once.
         speed = (audio / busy) * self.engine.workers if busy > 0 else 10.0
         return max(1, min(3600, math.ceil(excess_audio_s / max(speed, 0.1))))

@@ -12,7 +12,7 @@ import asyncio
 import logging
 
 from fastapi import APIRouter, Depends
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from app.api.deps import state
@@ -29,7 +29,7 @@ async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
 
-@router.get("/readyz")
+@router.get("/readyz", responses={503: {"description": "Loading the model, or draining."}})
 async def readyz(st: AppState = Depends(state)) -> JSONResponse:
     """Ready to take work: the model is loaded and the service is not draining."""
     info = st.engine.engine.info
@@ -38,7 +38,7 @@ async def readyz(st: AppState = Depends(state)) -> JSONResponse:
     return JSONResponse(body, status_code=200 if st.ready else 503)
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)  # documents text/plain, not JSON
 async def metrics(st: AppState = Depends(state)) -> Response:
     try:
         await asyncio.wait_for(st.runner.refresh_gauges(), STORE_TIMEOUT_S)
