@@ -14,6 +14,7 @@ engine runs full batches; when idle, a lone request waits at most ``max_wait_ms`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -129,10 +130,8 @@ class Batcher:
             if ready is not None:
                 return ready
             timeout = None if deadline is None else max(0.0, deadline - now)
-            try:
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
-            except TimeoutError:
-                pass
 
     def _pick(self, now: float) -> tuple[tuple[DecodeOptions, list[Item]] | None, float | None]:
         """The group to run now (full, or its oldest window is due), else the next deadline."""

@@ -9,6 +9,7 @@ Results are reassembled in time order whatever order the batches finished in.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
@@ -24,7 +25,7 @@ from app.batcher import Batcher
 from app.blobs import BlobStore, make_blobs
 from app.config import Settings
 from app.engine import SAMPLE_RATE, DecodeOptions, Window, WindowResult
-from app.errors import ServiceError, ShuttingDown, TranscriptionFailed
+from app.errors import ServiceError, ShuttingDown
 from app.metrics import Metrics
 from app.store import TERMINAL, JobRow, JobStore
 from app.words import window_segments
@@ -150,10 +151,8 @@ class JobRunner:
         if job is None or job.status in TERMINAL:
             self._done_events.pop(job_id, None)
             return
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ev.wait(), timeout)
-        except TimeoutError:
-            pass
 
     @property
     def stopped(self) -> bool:
@@ -214,10 +213,9 @@ class JobRunner:
                 task = asyncio.create_task(self._run(job), name=f"job-{job.id}")
                 self.active[job.id] = Active(task)
                 self._changed(job.id)
-            try:  # woken by a submit or a finished job; the timeout picks up other replicas' work
+            # Woken by a submit or a finished job; the timeout picks up other replicas' work.
+            with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 2.0)
-            except TimeoutError:
-                pass
 
     async def _maintenance_loop(self) -> None:
         next_sweep = 0.0  # first pass: at start-up, to clean up after a crash
@@ -391,5 +389,3 @@ class JobRunner:
 def _options_dict(o: DecodeOptions) -> dict[str, Any]:
     return asdict(o)  # every field, so DecodeOptions(**job.options) round-trips new ones too
 
-
-__all__ = ["JobRunner", "new_job_id", "TranscriptionFailed"]
