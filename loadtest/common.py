@@ -1,0 +1,401 @@
+"""Shared pieces of the benchmarks: corpus, windows, WER, percentiles, memory, machine facts.
+
+Kept light on purpose: the orchestrating process (and the HTTP load client) imports this module
+and must not pull in torch or CTranslate2, so it never competes with the server for memory or
+thread pools. Model-side helpers import their heavy modules inside the function.
+"""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+import os
+import platform
+import random
+import re
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from app.engine import Window
+
+ROOT = Path(__file__).resolve().parents[1]
+DEFAULT_CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "corpus"))
+READ_SPEECH = ("librispeech", "ljspeech", "librivox")
+SHORT_CLIP_S = 10.0  # "short clips" of the latency targets: <= 10 s
+REPLAY_SEED = 20240603
+
+
+# ---- corpus -----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Clip:
+    id: str
+    path: str
+    duration_s: float
+    reference: str
+    set: str
+
+
+def load_corpus(corpus: Path = DEFAULT_CORPUS) -> list[Clip]:
+    manifest = corpus / "manifest.jsonl"
+    if not manifest.is_file():
+        raise SystemExit(f"corpus not found: {manifest} (pass --corpus or set BATCHSCRIBE_CORPUS)")
+    out = []
+    for line in manifest.read_text().splitlines():
+        if line.strip():
+            d = json.loads(line)
+            out.append(Clip(d["id"], str(corpus / d["file"]), float(d["duration_s"]),
+                            d["reference"], d["set"]))
+    return sorted(out, key=lambda c: c.id)
+
+
+def select_clips(clips: Sequence[Clip], limit: int | None = None,
+                 sets: Iterable[str] | None = None) -> list[Clip]:
+    """A deterministic subset: only ``sets`` if given, then ``limit`` clips spread over all sets."""
+    chosen = [c for c in clips if sets is None or c.set in set(sets)]
+    if limit is not None and limit < len(chosen):
+        by_set = sorted(chosen, key=lambda c: (c.set, c.id))
+        step = len(by_set) / limit
+        chosen = [by_set[int(i * step)] for i in range(limit)]
+    return chosen
+
+
+def save_clips(clips: Sequence[Clip], path: Path) -> None:
+    path.write_text(json.dumps([asdict(c) for c in clips], indent=1))
+
+
+def read_clips(path: Path) -> list[Clip]:
+    return [Clip(**d) for d in json.loads(path.read_text())]
+
+
+def replay_order(clips: Sequence[Clip], seed: int = REPLAY_SEED) -> list[Clip]:
+    """The fixed pseudo-random order every phase replays the corpus in (cycled)."""
+    order = list(clips)
+    random.Random(seed).shuffle(order)
+    return order
+
+
+def audio_total(clips: Iterable[Clip]) -> float:
+    return sum(c.duration_s for c in clips)
+
+
+# ---- engine layouts ---------------------------------------------------------------------------
+def parse_layout(spec: str) -> tuple[int, int, int]:
+    """``"2x1"`` -> (1 engine, 2 workers, 1 thread); ``"2e1x1"`` -> (2 engines, 1, 1)."""
+    spec = spec.strip().lower()
+    engines = 1
+    if "e" in spec:
+        e, spec = spec.split("e", 1)
+        engines = int(e)
+    w, t = spec.split("x")
+    return engines, int(w), int(t)
+
+
+def layout_name(engines: int, workers: int, threads: int) -> str:
+    return (f"{engines} engines x " if engines > 1 else "") + \
+        f"{workers} worker{'s' if workers > 1 else ''} x {threads} thread{'s' if threads > 1 else ''}"
+
+
+# ---- WER --------------------------------------------------------------------------------------
+_MARKUP = re.compile(r"\[[^\]]*\]|<[^>]*>")  # MFA references carry [adif], <VOCNOISE>
+
+
+def _builtin_normaliser() -> Callable[[str], str]:
+    """Fallback when whisper-normalizer is missing: lower case, no punctuation, no markup.
+
+    It does not rewrite numbers, so absolute WER is higher on clips with numbers than the
+    Whisper normaliser gives; comparisons inside one run (service vs sequential) stay valid.
+    """
+    strip = re.compile(r"[^\w\s']|_")
+
+    def norm(text: str) -> str:
+        text = strip.sub(" ", text.lower().replace("-", " "))
+        return " ".join(w.strip("'") for w in text.split() if w.strip("'"))
+
+    return norm
+
+
+def normaliser() -> tuple[str, Callable[[str], str]]:
+    try:
+        from whisper_normalizer.english import EnglishTextNormalizer
+    except ImportError:
+        return "builtin", _builtin_normaliser()
+    return "whisper_normalizer.english", EnglishTextNormalizer()
+
+
+_NORM: tuple[str, Callable[[str], str]] | None = None
+
+
+def normalise(text: str) -> str:
+    global _NORM
+    if _NORM is None:
+        _NORM = normaliser()
+    return " ".join(_NORM[1](_MARKUP.sub(" ", text)).split())
+
+
+def normaliser_name() -> str:
+    normalise("")
+    assert _NORM is not None
+    return _NORM[0]
+
+
+def wer_percent(references: Sequence[str], hypotheses: Sequence[str]) -> float | None:
+    """Corpus-level WER in percent (errors over all reference words), None if nothing to score."""
+    import jiwer
+
+    pairs = [(normalise(r), normalise(h)) for r, h in zip(references, hypotheses, strict=True)]
+    pairs = [(r, h) for r, h in pairs if r]
+    if not pairs:
+        return None
+    return round(100.0 * float(jiwer.wer([r for r, _ in pairs], [h for _, h in pairs])), 3)
+
+
+def wer_by_group(clips: Sequence[Clip], texts: dict[str, str]) -> dict[str, Any]:
+    """WER on read speech (the comparable figure), on the other sets, and overall."""
+    groups = {
+        "read_speech": [c for c in clips if c.set in READ_SPEECH],
+        "other_sets": [c for c in clips if c.set not in READ_SPEECH],
+        "all": list(clips),
+    }
+    out: dict[str, Any] = {}
+    for name, members in groups.items():
+        scored = [c for c in members if c.id in texts]
+        out[name] = {
+            "wer_percent": wer_percent([c.reference for c in scored], [texts[c.id] for c in scored]),
+            "clips": len(scored),
+        }
+    return out
+
+
+# ---- statistics -------------------------------------------------------------------------------
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Linear-interpolation percentile (numpy's default), None for no values."""
+    if not values:
+        return None
+    xs = sorted(values)
+    pos = (len(xs) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(xs) - 1)
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def latency_summary(latencies: Sequence[float]) -> dict[str, Any]:
+    def r(x: float | None) -> float | None:
+        return None if x is None else round(x, 3)
+
+    return {"n": len(latencies), "p50_s": r(percentile(latencies, 50)),
+            "p95_s": r(percentile(latencies, 95)), "max_s": r(max(latencies) if latencies else None)}
+
+
+# ---- memory -----------------------------------------------------------------------------------
+def proc_status_kb(pid: int | str, field: str) -> int | None:
+    """A ``VmRSS``/``VmHWM``-style field of /proc/<pid>/status in kB (None if gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        return None
+    return None
+
+
+class RssSampler:
+    """Samples a process's RSS in a daemon thread; ``peak_mb`` since the last ``reset``."""
+
+    def __init__(self, pid: int | str = "self", interval_s: float = 0.05) -> None:
+        self.pid = pid
+        self.interval_s = interval_s
+        self._peak_kb = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="rss-sampler", daemon=True)
+
+    def __enter__(self) -> RssSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(2)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            kb = proc_status_kb(self.pid, "VmRSS")
+            if kb is not None and kb > self._peak_kb:
+                self._peak_kb = kb
+            self._stop.wait(self.interval_s)
+
+    def reset(self) -> None:
+        self._peak_kb = proc_status_kb(self.pid, "VmRSS") or 0
+
+    @property
+    def peak_mb(self) -> float:
+        kb = max(self._peak_kb, proc_status_kb(self.pid, "VmRSS") or 0)
+        return round(kb / 1024, 1)
+
+
+# ---- environment ------------------------------------------------------------------------------
+def tcmalloc_path() -> str | None:
+    found = sorted(glob.glob("/usr/lib/*/libtcmalloc_minimal.so.4"))
+    return found[0] if found else None
+
+
+def child_env(tcmalloc: bool = True, extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment scripts/env.sh sets: tcmalloc preloaded (or not), no model hub."""
+    env = dict(os.environ)
+    preload = [p for p in env.get("LD_PRELOAD", "").split(":") if p and "tcmalloc" not in p]
+    lib = tcmalloc_path()
+    if tcmalloc:
+        if lib is None:
+            print("warning: libtcmalloc_minimal.so.4 not found; running with glibc malloc",
+                  file=sys.stderr)
+        else:
+            preload.insert(0, lib)
+    if preload:
+        env["LD_PRELOAD"] = ":".join(preload)
+    else:
+        env.pop("LD_PRELOAD", None)
+    env.update({"HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env["PYTHONPATH"] = str(ROOT) + (":" + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    env.update(extra or {})
+    return env
+
+
+def allocator() -> str:
+    return "tcmalloc" if "tcmalloc" in os.environ.get("LD_PRELOAD", "") else "glibc"
+
+
+def cpu_count() -> int:
+    return max(1, len(os.sched_getaffinity(0)))
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem_gb = None
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split("MemTotal:")[1].split()[0])
+        mem_gb = round(kb / 1024 / 1024, 1)
+    except (OSError, IndexError, ValueError):
+        pass
+    versions: dict[str, str | None] = {}
+    for pkg in ("ctranslate2", "faster-whisper", "whisperx", "torch", "onnxruntime"):
+        try:
+            versions[pkg] = metadata.version(pkg)
+        except metadata.PackageNotFoundError:
+            versions[pkg] = None
+    return {
+        "cpu": cpu, "cores": cpu_count(), "memory_gb": mem_gb, "kernel": platform.release(),
+        "python": platform.python_version(), "versions": versions, "git": git_revision(),
+        "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
+        "tcmalloc": tcmalloc_path(),
+    }
+
+
+def git_revision() -> str | None:
+    try:
+        rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
+                             text=True, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return (rev + ("-dirty" if dirty else "")) or None
+
+
+def resolve_model(name: str) -> str:
+    """The model folder the service would load for ``BATCHSCRIBE_MODEL__NAME=name``."""
+    from app.config import ModelSettings
+    from models.registry import resolve
+
+    m = ModelSettings(name=name)
+    return resolve(m.name, m.cache_dir, m.local_files_only)
+
+
+def run_json_subprocess(args: list[str], env: dict[str, str], out: Path, log: Path,
+                        timeout: float) -> dict[str, Any]:
+    """Run ``python -m loadtest.offline ...`` to completion; its JSON result, or SystemExit."""
+    cmd = [sys.executable, "-m", *args, "--out", str(out)]
+    with log.open("ab") as f:
+        f.write(("\n$ " + " ".join(cmd) + "\n").encode())
+        f.flush()
+        proc = subprocess.run(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT,
+                              timeout=timeout, check=False)
+    if proc.returncode != 0 or not out.is_file():
+        tail = log.read_text(errors="replace")[-3000:]
+        raise SystemExit(f"subprocess failed ({proc.returncode}): {' '.join(cmd)}\n{tail}")
+    result: dict[str, Any] = json.loads(out.read_text())
+    return result
+
+
+# ---- windows: decode + Silero VAD + cut, exactly as the service prepares an upload -------------
+@dataclass
+class ClipWindow:
+    clip_id: str
+    index: int  # position among its clip's windows
+    window: Window
+
+
+def cut_corpus(clips: Sequence[Clip], cache_dir: Path | None = None) -> list[ClipWindow]:
+    """Every clip through app.audio (decode, Silero VAD, cut_windows); cached as .npz."""
+    import numpy as np
+
+    from app.audio import SileroVad, cut_windows, decode
+    from app.engine import SAMPLE_RATE, Window
+
+    key = hashlib.sha256(json.dumps([c.id for c in clips]).encode()).hexdigest()[:16]
+    cache = cache_dir / f"windows-{key}.npz" if cache_dir else None
+    if cache is not None and cache.is_file():
+        data = np.load(cache)
+        meta = json.loads(str(data["meta"]))
+        audio = data["audio"]
+        return [ClipWindow(m["clip"], m["index"],
+                           Window(audio[m["off"]:m["off"] + m["len"]], m["start"], m["end"]))
+                for m in meta]
+    vad = SileroVad()
+    out: list[ClipWindow] = []
+    for c in clips:
+        samples = decode(Path(c.path), 4 * 3600.0)
+        for k, w in enumerate(cut_windows(samples, vad.speech(samples))):
+            out.append(ClipWindow(c.id, k, w))
+    if cache is not None:
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        meta, off = [], 0
+        for cw in out:
+            n = len(cw.window.audio)
+            meta.append({"clip": cw.clip_id, "index": cw.index, "off": off, "len": n,
+                         "start": cw.window.start, "end": cw.window.end})
+            off += n
+        audio = (np.concatenate([cw.window.audio for cw in out]) if out
+                 else np.zeros(0, np.float32))
+        tmp = cache.with_suffix(".tmp.npz")
+        np.savez(tmp, audio=audio.astype(np.float32), meta=np.array(json.dumps(meta)))
+        tmp.replace(cache)
+    assert all(len(cw.window.audio) <= 30 * SAMPLE_RATE for cw in out)
+    return out
+
+
+def join_texts(windows: Sequence[ClipWindow], texts: Sequence[str]) -> dict[str, str]:
+    """Per-clip transcript: its windows' texts in time order (as the service's result.text)."""
+    parts: dict[str, list[tuple[int, str]]] = {}
+    for cw, t in zip(windows, texts, strict=True):
+        parts.setdefault(cw.clip_id, []).append((cw.index, t.strip()))
+    return {k: " ".join(t for _, t in sorted(v) if t) for k, v in parts.items()}
+
+
+def now() -> float:
+    return time.perf_counter()

@@ -1,0 +1,408 @@
+"""The service side of the benchmark: a real ``python -m app`` process and an asyncio HTTP client.
+
+The client is deliberately thin (httpx, uploads held in memory, no parsing beyond the job JSON)
+because it shares the 2 cores with the server it measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from loadtest.common import ROOT, SHORT_CLIP_S, Clip, child_env, latency_summary, proc_status_kb, replay_order
+
+TERMINAL = ("done", "failed", "cancelled")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Server:
+    """``python -m app`` on a free port with its own data dir (as tests/conftest.py starts it)."""
+
+    data_dir: Path
+    env: dict[str, str] = field(default_factory=dict)
+    tcmalloc: bool = True
+    port: int = field(default_factory=free_port)
+    proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def log_path(self) -> Path:
+        return self.data_dir / "server.log"
+
+    def start(self, timeout: float = 300.0) -> Server:
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        env = child_env(self.tcmalloc, {"BATCHSCRIBE_PORT": str(self.port),
+                                        "BATCHSCRIBE_HOST": "127.0.0.1",
+                                        "BATCHSCRIBE_STORAGE__DATA_DIR": str(self.data_dir),
+                                        **self.env})
+        log = self.log_path.open("ab")
+        self.proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env,
+                                     stdout=log, stderr=subprocess.STDOUT)
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                    return self
+            time.sleep(0.25)
+        self.stop()
+        raise RuntimeError(f"server not ready in {timeout:.0f}s:\n{self.log_tail()}")
+
+    def log_tail(self, n: int = 4000) -> str:
+        return self.log_path.read_text(errors="replace")[-n:] if self.log_path.is_file() else ""
+
+    def peak_rss_mb(self) -> float | None:
+        kb = proc_status_kb(self.proc.pid, "VmHWM") if self.proc else None
+        return None if kb is None else round(kb / 1024, 1)
+
+    def stop(self, timeout: float = 60.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait(30)
+
+
+# ---- /metrics ---------------------------------------------------------------------------------
+_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
+
+
+def parse_metrics(text: str) -> dict[tuple[str, str], float]:
+    out: dict[tuple[str, str], float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m:
+            with contextlib.suppress(ValueError):
+                out[(m.group(1), m.group(2) or "")] = float(m.group(3))
+    return out
+
+
+def histogram_delta(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
+                    name: str) -> dict[str, Any]:
+    """Non-cumulative bucket counts of a histogram between two scrapes, plus count and mean."""
+    buckets: list[tuple[float, float]] = []
+    for (metric, labels), v in after.items():
+        if metric == name + "_bucket":
+            le = re.search(r'le="([^"]+)"', labels)
+            if le:
+                bound = float("inf") if le.group(1) == "+Inf" else float(le.group(1))
+                buckets.append((bound, v - before.get((metric, labels), 0.0)))
+    buckets.sort()
+    integral = all(b == float("inf") or b == int(b) for b, _ in buckets)
+    dist: dict[str, int] = {}
+    prev_bound, prev_cum = 0.0, 0.0
+    for bound, cum in buckets:
+        n = round(cum - prev_cum)
+        if n:
+            hi = "inf" if bound == float("inf") else (str(int(bound)) if integral else str(bound))
+            if integral:  # windows per batch: "5-6" means 5 or 6 windows
+                lo = str(int(prev_bound) + 1)
+                dist[lo if lo == hi else f"{lo}-{hi}"] = n
+            else:  # seconds or ratios: "<=0.5"
+                dist[f"<={hi}"] = n
+        prev_bound, prev_cum = bound, cum
+    count = after.get((name + "_count", ""), 0.0) - before.get((name + "_count", ""), 0.0)
+    total = after.get((name + "_sum", ""), 0.0) - before.get((name + "_sum", ""), 0.0)
+    return {"count": round(count), "mean": round(total / count, 3) if count else None,
+            "distribution": dist}
+
+
+def counter_delta(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
+                  name: str) -> float:
+    return round(after.get((name, ""), 0.0) - before.get((name, ""), 0.0), 3)
+
+
+# ---- the client -------------------------------------------------------------------------------
+@dataclass
+class Result:
+    clip: Clip
+    sent: float  # monotonic
+    done: float
+    status: int
+    text: str | None = None
+    error: str | None = None
+
+    @property
+    def latency(self) -> float:
+        return self.done - self.sent
+
+    @property
+    def ok(self) -> bool:
+        return self.status == 200 and self.text is not None
+
+
+class Client:
+    def __init__(self, url: str, clips: Sequence[Clip], language: str | None,
+                 timeout: float = 900.0) -> None:
+        self.url = url
+        self.language = language
+        self.blobs = {c.id: Path(c.path).read_bytes() for c in clips}
+        self.http = httpx.AsyncClient(base_url=url, timeout=timeout,
+                                      limits=httpx.Limits(max_connections=256,
+                                                          max_keepalive_connections=256))
+
+    async def close(self) -> None:
+        await self.http.aclose()
+
+    def _form(self) -> dict[str, str]:
+        return {"language": self.language} if self.language else {}
+
+    async def transcribe(self, clip: Clip) -> Result:
+        """One synchronous request (``?wait=true``): upload to finished transcript."""
+        files = {"file": (Path(clip.path).name, self.blobs[clip.id])}
+        sent = time.monotonic()
+        try:
+            r = await self.http.post("/transcribe", params={"wait": "true"}, files=files,
+                                     data=self._form())
+        except httpx.HTTPError as exc:
+            return Result(clip, sent, time.monotonic(), 0, error=f"{type(exc).__name__}: {exc}")
+        done = time.monotonic()
+        if r.status_code != 200:
+            return Result(clip, sent, done, r.status_code, error=r.text[:500])
+        job = r.json()
+        if job.get("status") != "done":
+            return Result(clip, sent, done, r.status_code, error=str(job.get("error")))
+        return Result(clip, sent, done, 200, text=job["result"]["text"])
+
+    async def metrics(self) -> dict[tuple[str, str], float]:
+        r = await self.http.get("/metrics")
+        r.raise_for_status()
+        return parse_metrics(r.text)
+
+    async def wait_idle(self, pid: int, timeout: float = 300.0) -> None:
+        """Until no window is queued and the server burns no CPU (the last batch has finished)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            m = await self.metrics()
+            c0 = cpu_seconds(pid)
+            await asyncio.sleep(1.0)
+            if m.get(("batchscribe_queue_pending_windows", ""), 0.0) == 0 and \
+                    cpu_seconds(pid) - c0 < 0.1:
+                return
+
+
+def cpu_seconds(pid: int) -> float:
+    """utime + stime of a process, in seconds."""
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+# ---- phases -----------------------------------------------------------------------------------
+class Cycle:
+    def __init__(self, clips: Sequence[Clip]) -> None:
+        self.order = replay_order(clips)
+        self.i = 0
+
+    def next(self) -> Clip:
+        c = self.order[self.i % len(self.order)]
+        self.i += 1
+        return c
+
+
+async def closed_loop(client: Client, clips: Sequence[Clip], n_clients: int, warmup_s: float,
+                      duration_s: float) -> dict[str, Any]:
+    """``n_clients`` each send the next clip as soon as their previous one finished.
+
+    Throughput is measured in steady state: audio seconds of the requests that finish inside
+    [warm-up end, warm-up end + duration] over ``duration``. Requests still in flight at the
+    end are awaited (so the next phase starts on an idle server) but not counted.
+    """
+    cycle = Cycle(clips)
+    results: list[Result] = []
+    t0 = time.monotonic()
+    t_start, t_stop = t0 + warmup_s, t0 + warmup_s + duration_s
+    snaps: dict[str, dict[tuple[str, str], float]] = {}
+
+    async def user() -> None:
+        while time.monotonic() < t_stop:
+            results.append(await client.transcribe(cycle.next()))
+
+    async def snapshot(at: float, key: str) -> None:
+        await asyncio.sleep(max(0.0, at - time.monotonic()))
+        snaps[key] = await client.metrics()
+
+    await asyncio.gather(snapshot(t_start, "start"), snapshot(t_stop, "stop"),
+                         *(user() for _ in range(n_clients)))
+    window = [r for r in results if t_start <= r.done <= t_stop]
+    ok = [r for r in window if r.ok]
+    audio = sum(r.clip.duration_s for r in ok)
+    return {
+        "clients": n_clients, "warmup_s": warmup_s, "duration_s": duration_s,
+        "throughput_x": round(audio / duration_s, 3), "audio_s": round(audio, 3),
+        "requests_ok": len(ok), "requests_failed": len(window) - len(ok),
+        "errors": sorted({r.error or "" for r in results if not r.ok})[:5],
+        "latency_all": latency_summary([r.latency for r in ok]),
+        "latency_short": latency_summary([r.latency for r in ok if r.clip.duration_s <= SHORT_CLIP_S]),
+        "batch_size": histogram_delta(snaps["start"], snaps["stop"],
+                                      "batchscribe_batch_size_windows"),
+        "batch_fill": histogram_delta(snaps["start"], snaps["stop"], "batchscribe_batch_fill_ratio"),
+        "queue_wait": histogram_delta(snaps["start"], snaps["stop"], "batchscribe_queue_wait_seconds"),
+        "batch_duration": histogram_delta(snaps["start"], snaps["stop"],
+                                          "batchscribe_batch_duration_seconds"),
+        "engine_audio_s": counter_delta(snaps["start"], snaps["stop"],
+                                        "batchscribe_audio_processed_seconds_total"),
+        "_results": results,
+    }
+
+
+async def sequential(client: Client, clips: Sequence[Clip], n: int) -> list[Result]:
+    cycle = Cycle(clips)
+    return [await client.transcribe(cycle.next()) for _ in range(n)]
+
+
+async def all_at_once(client: Client, clips: Sequence[Clip], concurrency: int) -> list[Result]:
+    sem = asyncio.Semaphore(concurrency)
+
+    async def one(c: Clip) -> Result:
+        async with sem:
+            return await client.transcribe(c)
+
+    return list(await asyncio.gather(*(one(c) for c in clips)))
+
+
+async def long_file_scenario(client: Client, long_path: Path, long_audio_s: float,
+                             short: Sequence[Clip], min_requests: int, duration_s: float,
+                             short_clients: int = 1) -> dict[str, Any]:
+    """Short clips sent back to back while a long upload is always being transcribed.
+
+    The long file is submitted asynchronously (202 + polling) and resubmitted whenever it
+    finishes; a short request counts only if a long job was running (decoded, windows queued)
+    both when it was sent and when it finished, and it was the same long job.
+    """
+    blob = long_path.read_bytes()
+    stop = asyncio.Event()
+    running = asyncio.Event()
+    state = {"gen": 0, "busy": False}
+    long_jobs: list[dict[str, Any]] = []
+    current: dict[str, str] = {}
+
+    async def keep_long() -> None:
+        while not stop.is_set():
+            r = await client.http.post("/transcribe", files={"file": (long_path.name, blob)},
+                                       data=client._form())
+            r.raise_for_status()
+            job_id = r.json()["id"]
+            current["id"] = job_id
+            submitted = time.monotonic()
+            job: dict[str, Any] = {}
+            while True:
+                job = (await client.http.get(f"/jobs/{job_id}")).json()
+                if job["status"] in TERMINAL:
+                    break
+                if not state["busy"] and job["progress"].get("windows_total"):
+                    state["gen"] += 1
+                    state["busy"] = True
+                    running.set()
+                if stop.is_set():
+                    await client.http.delete(f"/jobs/{job_id}")
+                await asyncio.sleep(0.25)
+            state["busy"] = False
+            long_jobs.append({"status": job["status"], "wall_s": round(time.monotonic() - submitted, 3),
+                              "processing_s": job.get("processing_s"), "rtf": job.get("rtf"),
+                              "windows": job["progress"].get("windows_total")})
+
+    counted: list[Result] = []
+    uncounted = 0
+    cycle = Cycle(short)
+
+    async def short_client() -> None:
+        nonlocal uncounted
+        await running.wait()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 3 * duration_s and (
+                time.monotonic() - t0 < duration_s or len(counted) < min_requests):
+            gen, busy = state["gen"], state["busy"]
+            r = await client.transcribe(cycle.next())
+            if busy and state["busy"] and gen == state["gen"] and r.ok:
+                counted.append(r)
+            else:
+                uncounted += 1
+
+    long_task = asyncio.create_task(keep_long())
+    try:
+        waiter = asyncio.create_task(running.wait())
+        await asyncio.wait({long_task, waiter}, timeout=600, return_when=asyncio.FIRST_COMPLETED)
+        waiter.cancel()
+        if long_task.done():  # the long upload failed before it ever ran: surface why
+            long_task.result()
+        if not running.is_set():
+            raise RuntimeError("the long file did not start within 600 s")
+        before = await client.metrics()
+        await asyncio.gather(*(short_client() for _ in range(short_clients)))
+        after = await client.metrics()
+    finally:
+        stop.set()
+        await long_task
+    finished = [j for j in long_jobs if j["status"] == "done"]
+    return {
+        "long_audio_s": round(long_audio_s, 3), "short_clients": short_clients,
+        "latency_short": latency_summary([r.latency for r in counted]),
+        "short_requests_not_counted": uncounted,
+        "batch_size": histogram_delta(before, after, "batchscribe_batch_size_windows"),
+        "queue_wait": histogram_delta(before, after, "batchscribe_queue_wait_seconds"),
+        "long_jobs": long_jobs,
+        "long_rtf_mean": (round(sum(j["rtf"] or 0 for j in finished) / len(finished), 3)
+                          if finished else None),
+    }
+
+
+def write_long_wav(clips: Sequence[Clip], path: Path, min_s: float, gap_s: float = 0.8) -> float:
+    """Concatenate decoded corpus clips with silence gaps into one 16 kHz mono wav >= min_s."""
+    import wave
+
+    import numpy as np
+
+    from app.audio import decode
+    from app.engine import SAMPLE_RATE
+
+    gap = np.zeros(int(gap_s * SAMPLE_RATE), np.float32)
+    parts: list[np.ndarray] = []
+    total = 0
+    decoded = [decode(Path(c.path), 4 * 3600.0) for c in sorted(clips, key=lambda c: c.id)]
+    while total < min_s * SAMPLE_RATE:
+        for a in decoded:
+            parts += [a, gap]
+            total += len(a) + len(gap)
+            if total >= min_s * SAMPLE_RATE:
+                break
+    pcm = (np.clip(np.concatenate(parts), -1, 1) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(SAMPLE_RATE)
+        w.writeframes(pcm.tobytes())
+    return len(pcm) / SAMPLE_RATE
+
+
+def server_env_defaults() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("BATCHSCRIBE_")}
