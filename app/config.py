@@ -45,6 +45,17 @@ class ModelSettings(BaseModel):
         "OpenMP pool spinning beside CTranslate2's made pyannote 15-25x slower on 2 cores.",
     )
     local_files_only: bool = Field(True, description="Never reach a model hub at run time.")
+    time_axis: Literal["dynamic", "full"] = Field(
+        "dynamic",
+        description="full: pad every window to Whisper's 30 s. dynamic: pad a batch only to its "
+        "longest window + pad_margin_s. On CPU the encoder costs the same per padded second "
+        "whatever the speech, so short clips run ~2x faster; measured on the corpus, read-speech "
+        "WER unchanged at an 8 s margin (loops below ~2 s). Windows that decode suspiciously "
+        "(compression > 2.4 or avg logprob < -1) are redone at 30 s.",
+    )
+    pad_margin_s: float = Field(
+        8.0, ge=4.0, le=30.0, description="Silence kept after the longest window (dynamic axis)."
+    )
     engines: int = Field(
         0, ge=0, le=64,
         description="Resident model copies (engines); each batch goes to the least loaded one. "

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import zlib
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -127,6 +128,9 @@ class WhisperEngine:
         )
         self._tokenizer_cls = Tokenizer
         self._n_mels = int(self.model.feat_kwargs.get("feature_size") or 80)
+        self._margin = (
+            int(settings.pad_margin_s * SAMPLE_RATE) if settings.time_axis == "dynamic" else None
+        )
         self.info = EngineInfo(model_name, device, compute_type, workers)
         log.info("engine ready: %s", self.info)
 
@@ -137,14 +141,43 @@ class WhisperEngine:
             language=language if multilingual else "en",
         )
 
+    def padded_samples(self, windows: Sequence[Window], options: DecodeOptions) -> int:
+        """How far the batch is zero-padded: 30 s, or its longest window + margin (1 s steps).
+
+        Whisper was trained on 30 s inputs, but CTranslate2's encoder takes fewer frames and
+        costs about linearly in them; with a few seconds of trailing silence the decoder
+        behaves as on 30 s (with under ~2 s it loops). Language detection keeps 30 s.
+        """
+        if self._margin is None or options.language is None:
+            return N_SAMPLES
+        want = max(len(w.audio) for w in windows) + self._margin
+        return min(N_SAMPLES, math.ceil(want / SAMPLE_RATE) * SAMPLE_RATE)
+
     def transcribe_batch(
         self, windows: Sequence[Window], options: DecodeOptions
+    ) -> list[WindowResult]:
+        n = self.padded_samples(windows, options)
+        out = self._transcribe(windows, options, n)
+        if n < N_SAMPLES:
+            # Safety net for the shortened axis: redo, at the full 30 s, windows whose decode
+            # looks degenerate by Whisper's own fallback rules (a loop compresses > 2.4; a
+            # low-confidence decode of real speech). Rare, so it costs little.
+            redo = [k for k, r in enumerate(out)
+                    if r.compression_ratio > 2.4 or (r.avg_logprob < -1.0 and r.no_speech_prob < 0.6)]
+            if redo:
+                again = self._transcribe([windows[k] for k in redo], options, N_SAMPLES)
+                for k, r in zip(redo, again, strict=True):
+                    out[k] = r
+        return out
+
+    def _transcribe(
+        self, windows: Sequence[Window], options: DecodeOptions, n: int
     ) -> list[WindowResult]:
         from whisperx.audio import log_mel_spectrogram
 
         feats = np.stack([
             log_mel_spectrogram(
-                w.audio[:N_SAMPLES], n_mels=self._n_mels, padding=N_SAMPLES - len(w.audio[:N_SAMPLES])
+                w.audio[:n], n_mels=self._n_mels, padding=n - len(w.audio[:n])
             ).numpy()
             for w in windows
         ]).astype(np.float32)
