@@ -43,9 +43,16 @@ class Item:
 
 class Batcher:
     def __init__(
-        self, run_batch: RunBatch, settings: BatcherSettings, workers: int, metrics: Metrics
+        self, run_batch: RunBatch, settings: BatcherSettings, workers: int, metrics: Metrics,
+        size_class: Callable[[Window], float] | None = None, base_memory_mb: float = 0.0,
     ) -> None:
         self._run_batch = run_batch
+        # Windows of one size class batch best together: with the engine's dynamic time axis,
+        # its padded-length class (one encoder shape); otherwise duration buckets.
+        bucket = settings.duration_bucket_s
+        self._size_class = size_class or (lambda w: w.duration // bucket)
+        self._base_memory_mb = base_memory_mb  # held before any batch: the resident model
+        self._in_flight = 0  # windows handed to the engine and not yet back
         self.settings = settings
         self.cap = settings.max_batch_size
         self._streak = 0
@@ -145,7 +152,7 @@ class Batcher:
                 continue
             self._groups[key] = live
             oldest = live[0].enqueued
-            if len(live) >= self.cap or oldest + wait_s <= now:
+            if len(live) >= self.limit() or oldest + wait_s <= now:
                 if best is None or oldest < best[0]:
                     best = (oldest, key)
             elif deadline is None or oldest + wait_s < deadline:
@@ -157,25 +164,32 @@ class Batcher:
         self._update_gauges()
         return (key, items), None
 
+    def limit(self) -> int:
+        """Windows the next batch may take: the (OOM-adjusted) cap, within the memory budget."""
+        s = self.settings
+        if not s.memory_budget_mb:
+            return self.cap
+        room = int((s.memory_budget_mb - self._base_memory_mb) / s.window_memory_mb)
+        return max(1, min(self.cap, room - self._in_flight))
+
     def _take(self, group: list[Item]) -> list[Item]:
         """Choose up to ``cap`` windows of one group: fair across jobs, similar lengths together.
 
-        Sort key: (rank within its job, duration bucket distance from the oldest window, age).
+        Sort key: (rank within its job, size-class distance from the oldest window, age).
         Rank first means every waiting job gets its next window in before any job gets a second
         one, so an hour-long upload cannot starve a 5 s request; among equals, windows of
         similar length share a batch so their decodes finish together.
         """
-        seed = group[0]
-        b = self.settings.duration_bucket_s
-        seed_bucket = int(seed.window.duration // b)
+        seed_class = self._size_class(group[0].window)
         job_rank: dict[str, int] = {}
         ranked = []
         for i in group:
             r = job_rank.get(i.job_id, 0)
             job_rank[i.job_id] = r + 1
-            ranked.append((r, abs(int(i.window.duration // b) - seed_bucket), i.enqueued, i))
+            ranked.append((r, abs(self._size_class(i.window) - seed_class), i.enqueued, i))
         ranked.sort(key=lambda t: t[:3])
-        chosen = [t[3] for t in ranked[: self.cap]]
+        chosen = [t[3] for t in ranked[: self.limit()]]
+        self._in_flight += len(chosen)
         taken = set(map(id, chosen))
         group[:] = [i for i in group if id(i) not in taken]
         # Each job's windows in time order inside the batch: cosmetic, but keeps logs readable.
@@ -195,6 +209,7 @@ class Batcher:
             if not isinstance(exc, Exception):
                 raise
         finally:
+            self._in_flight -= len(items)
             self._slots.release()
             self._update_gauges()
 

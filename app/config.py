@@ -71,7 +71,12 @@ class ModelSettings(BaseModel):
 class BatcherSettings(BaseModel):
     """The cross-request micro-batcher."""
 
-    max_batch_size: int = Field(16, ge=1, le=256, description="Windows per batch (the cap).")
+    max_batch_size: int = Field(
+        8, ge=1, le=256,
+        description="Windows per batch (the cap). 8 measured best on 2 CPU cores (the decoder "
+        "gains little beyond it, and a smaller cap keeps a queue to group similar lengths from); "
+        "GPUs want more: run `python -m loadtest.sweep` on the target machine.",
+    )
     max_wait_ms: int = Field(
         50, ge=0, le=60_000, description="Oldest window waits at most this long for a fuller batch."
     )
@@ -80,6 +85,17 @@ class BatcherSettings(BaseModel):
     )
     duration_bucket_s: float = Field(
         5.0, gt=0, le=30, description="Windows whose lengths differ by less than this batch together."
+    )
+    memory_budget_mb: int = Field(
+        0, ge=0, le=10_000_000,
+        description="0: off. Else the windows in flight are limited so that the memory held after "
+        "the model loaded (RSS on CPU, VRAM on GPU) plus window_memory_mb per window stays within "
+        "this budget (at least one window always runs).",
+    )
+    window_memory_mb: float = Field(
+        60.0, gt=0, le=100_000,
+        description="Memory per window in flight; `python -m loadtest.sweep` measures it "
+        "(whisper-base int8 on CPU: ~55 MB).",
     )
 
 

@@ -12,7 +12,7 @@ import asyncio
 import logging
 import math
 import zlib
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
@@ -100,6 +100,20 @@ class Engine(Protocol):
     def close(self) -> None: ...
 
 
+def padded_length(samples: int, margin: int) -> int:
+    """Dynamic time axis: samples + margin, rounded up to a 5 s class, at most 30 s."""
+    step = PAD_STEP_S * SAMPLE_RATE
+    return min(N_SAMPLES, math.ceil((samples + margin) / step) * step)
+
+
+def size_class(settings: ModelSettings) -> Callable[[Window], int] | None:
+    """What the batcher should group by so a batch shares one padded length (None: duration)."""
+    if settings.time_axis != "dynamic":
+        return None
+    margin = int(settings.pad_margin_s * SAMPLE_RATE)
+    return lambda w: padded_length(len(w.audio), margin)
+
+
 def compression_ratio(text: str) -> float:
     data = text.encode("utf-8")
     return len(data) / len(zlib.compress(data)) if data else 0.0
@@ -151,8 +165,7 @@ class WhisperEngine:
         """
         if self._margin is None or options.language is None:
             return N_SAMPLES
-        step = PAD_STEP_S * SAMPLE_RATE
-        return min(N_SAMPLES, math.ceil((len(window.audio) + self._margin) / step) * step)
+        return padded_length(len(window.audio), self._margin)
 
     def transcribe_batch(
         self, windows: Sequence[Window], options: DecodeOptions

@@ -23,7 +23,7 @@ from app.batcher import Batcher
 from app.blobs import make_blobs
 from app.config import Settings
 from app.device import DeviceMonitor, resolve_device
-from app.engine import Engine, WhisperEngine
+from app.engine import Engine, WhisperEngine, size_class
 from app.errors import install_error_handlers
 from app.jobs import JobRunner
 from app.metrics import Metrics
@@ -45,6 +45,12 @@ def load_whisper(settings: Settings) -> Engine:
         return WhisperEngine(path, m, m.name)
     except (RuntimeError, ValueError) as exc:  # CTranslate2 rejects truncated/corrupt weights
         raise ModelUnavailable(broken_model_message(path, exc)) from exc
+
+
+def held_mb(monitor: DeviceMonitor) -> float:
+    """Memory this process holds now (RSS on CPU, its VRAM on GPU): the budget's baseline."""
+    return sum(r.used_bytes if r.process_bytes is None else r.process_bytes
+               for r in monitor.read()) / 2**20
 
 
 def create_app(settings: Settings | None = None,
@@ -75,12 +81,15 @@ def create_app(settings: Settings | None = None,
         spool.mkdir(parents=True, exist_ok=True)
         await store.init()
         runner_engine = make_pool(engines)  # one engine per GPU, least loaded first
-        batcher = Batcher(runner_engine.run, settings.batcher, runner_engine.workers, metrics)
+        monitor = DeviceMonitor(device)
+        batcher = Batcher(runner_engine.run, settings.batcher, runner_engine.workers, metrics,
+                          size_class=size_class(settings.model),
+                          base_memory_mb=held_mb(monitor))
         runner_engine.on_remove = batcher.retire_slots
         runner = JobRunner(settings, store, batcher, vad, metrics, blobs=blobs)
         st = AppState(settings=settings, metrics=metrics, store=store, spool_dir=spool,
                       languages=transcribe.whisper_languages(), runner=runner, batcher=batcher,
-                      engine=runner_engine, monitor=DeviceMonitor(device))
+                      engine=runner_engine, monitor=monitor)
         app.state.bs = st
         # Webhooks only with a signing secret; pending deliveries of earlier runs resume here.
         webhooks = WebhookDispatcher(settings.webhooks, store) if settings.webhooks.enabled else None

@@ -204,3 +204,26 @@ async def test_stop_fails_pending_work_with_shutting_down(rig_factory) -> None:
     assert all(isinstance(r, ShuttingDown) for r in results)
     with pytest.raises(ShuttingDown):
         rig.batcher.submit("late", [tagged_window(1)], EN)
+
+
+async def test_memory_budget_bounds_windows_in_flight(rig_factory: Callable[..., Rig]) -> None:
+    """Budget 1000 MB, model holds 700, 50 MB per window: at most 6 windows in flight."""
+    fake = FakeEngine(workers=2)
+    settings = BatcherSettings(max_batch_size=8, max_wait_ms=20, memory_budget_mb=1000,
+                               window_memory_mb=50)
+    batcher = Batcher(EngineRunner(fake).run, settings, 2, Metrics(), base_memory_mb=700)
+    batcher.start()
+    try:
+        fake.gate.clear()
+        futs = batcher.submit("j", [tagged_window(i) for i in range(20)], EN)
+        await asyncio.to_thread(fake.entered.acquire, True, BOUND)
+        await asyncio.to_thread(fake.entered.acquire, True, BOUND)
+        assert batcher.limit() == 1  # 6 windows in flight: the floor of one, never zero
+        fake.gate.set()
+        results = await gather(futs)
+        assert [r.text for r in results] == [f"w{i}" for i in range(20)]
+        sizes = [len(t) for _, t in fake.batches]
+        assert max(sizes) == 6  # a batch took the whole room, and never more
+    finally:
+        fake.gate.set()
+        await batcher.stop(5)
