@@ -53,6 +53,8 @@ class Batcher:
         self._size_class = size_class or (lambda w: w.duration // bucket)
         self._base_memory_mb = base_memory_mb  # held before any batch: the resident model
         self._in_flight = 0  # windows handed to the engine and not yet back
+        self._job_in_flight: dict[str, int] = {}  # the same, per job
+        self._small: set[int] = set()  # id() of running batches of <= cap/4 windows
         self.settings = settings
         self.cap = settings.max_batch_size
         self._streak = 0
@@ -188,12 +190,26 @@ class Batcher:
             job_rank[i.job_id] = r + 1
             ranked.append((r, abs(self._size_class(i.window) - seed_class), i.enqueued, i))
         ranked.sort(key=lambda t: t[:3])
-        chosen = [t[3] for t in ranked[: self.limit()]]
+        limit = self.limit()
+        small = max(1, self.cap // 4)
+        if (self._slots.locked() and self._running and not self._small
+                and all(self._job_in_flight.get(i.job_id) for i in group)):
+            # The last free worker, the others all busy with full batches, and only jobs that
+            # already have windows running (a long upload): keep this batch small, so a short
+            # request arriving next waits for one small batch, not a full one on every worker.
+            # One small batch at a time is enough: the others stay full for throughput.
+            limit = min(limit, small)
+        chosen = [t[3] for t in ranked[:limit]]
         self._in_flight += len(chosen)
+        for i in chosen:
+            self._job_in_flight[i.job_id] = self._job_in_flight.get(i.job_id, 0) + 1
         taken = set(map(id, chosen))
         group[:] = [i for i in group if id(i) not in taken]
         # Each job's windows in time order inside the batch: cosmetic, but keeps logs readable.
-        return sorted(chosen, key=lambda i: (i.job_id, i.rank))
+        batch = sorted(chosen, key=lambda i: (i.job_id, i.rank))
+        if len(batch) <= small:
+            self._small.add(id(batch))  # the same list object reaches _dispatch
+        return batch
 
     # ---- running a batch ---------------------------------------------------------------------
     async def _dispatch(self, key: DecodeOptions, items: list[Item]) -> None:
@@ -209,7 +225,14 @@ class Batcher:
             if not isinstance(exc, Exception):
                 raise
         finally:
+            self._small.discard(id(items))
             self._in_flight -= len(items)
+            for i in items:
+                left = self._job_in_flight.get(i.job_id, 1) - 1
+                if left:
+                    self._job_in_flight[i.job_id] = left
+                else:
+                    self._job_in_flight.pop(i.job_id, None)
             self._slots.release()
             self._update_gauges()
 

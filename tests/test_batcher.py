@@ -227,3 +227,29 @@ async def test_memory_budget_bounds_windows_in_flight(rig_factory: Callable[...,
     finally:
         fake.gate.set()
         await batcher.stop(5)
+
+
+async def test_a_long_upload_leaves_the_last_worker_small_batches(rig_factory) -> None:
+    """Two workers: a long job fills one with a full batch, the other gets cap/4 at a time, so
+    a short request that arrives meanwhile waits one small batch, not a full one."""
+    rig = rig_factory(cap=8, workers=2)
+    rig.fake.gate.clear()
+    long_futs = rig.batcher.submit("long", [tagged_window(100 + i, 30) for i in range(40)], EN)
+    await asyncio.to_thread(rig.fake.entered.acquire, True, BOUND)
+    await asyncio.to_thread(rig.fake.entered.acquire, True, BOUND)
+    short = rig.batcher.submit("short", [tagged_window(7, 5)], EN)[0]
+    rig.release()
+    await gather([short, *long_futs])
+    sizes = rig.sizes()
+    assert sizes[:2] in ([8, 2], [2, 8]) and 8 in sizes[2:]  # full batches beside small ones
+    short_batch = next(k for k, (_, tags) in enumerate(rig.fake.batches) if 7 in tags)
+    assert short_batch <= 3  # it rode in one of the next batches, not after the long job
+
+
+async def test_short_requests_alone_keep_full_batches(rig_factory: Callable[..., Rig]) -> None:
+    rig = rig_factory(cap=4, workers=2)
+    blocker = await rig.block_first_batch()
+    futs = [f for i in range(8) for f in rig.batcher.submit(f"j{i}", [tagged_window(i)], EN)]
+    rig.release()
+    await gather([blocker, *futs])
+    assert sorted(rig.sizes()) == [1, 4, 4]  # fresh jobs: the last worker is not held back
