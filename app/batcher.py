@@ -192,13 +192,18 @@ class Batcher:
         ranked.sort(key=lambda t: t[:3])
         limit = self.limit()
         small = max(1, self.cap // 4)
-        if (self._slots.locked() and self._running and not self._small
-                and all(self._job_in_flight.get(i.job_id) for i in group)):
-            # The last free worker, the others all busy with full batches, and only jobs that
-            # already have windows running (a long upload): keep this batch small, so a short
-            # request arriving next waits for one small batch, not a full one on every worker.
-            # One small batch at a time is enough: the others stay full for throughput.
-            limit = min(limit, small)
+        if self._running:
+            # Keep new requests responsive beside a long upload. Windows of jobs with nothing
+            # running yet (a short request that just arrived) go in a batch of their own, not
+            # padded to the upload's 30 s windows nor waiting on its full batch. With no such
+            # job, the last free worker (the others all running full batches) takes only a
+            # small batch, so the next short request waits for a small batch, not a full one
+            # on every worker; one small batch at a time keeps the rest full for throughput.
+            fresh = [t for t in ranked if not self._job_in_flight.get(t[3].job_id)]
+            if fresh:
+                ranked = fresh
+            elif self._slots.locked() and not self._small:
+                limit = min(limit, small)
         chosen = [t[3] for t in ranked[:limit]]
         self._in_flight += len(chosen)
         for i in chosen:
