@@ -28,7 +28,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from app import audio
-from app.config import Settings
+from app.config import BatcherSettings, Settings
 from app.engine import SAMPLE_RATE, EngineInfo
 from app.main import JsonFormatter, create_app
 from tests.conftest import ROOT, Clip, free_port
@@ -230,10 +230,10 @@ def test_metrics_after_the_job_match_the_api(run: Run) -> None:
     assert value(t, "batchscribe_batch_size_windows_sum") == sum(sizes) == run.windows
     assert value(t, "batchscribe_batch_size_windows_count") == len(sizes)
     assert value(t, "batchscribe_batches_total", outcome="ok") == len(sizes)
-    assert len(sizes) == 1  # one job's windows, submitted at once, under the cap of 16
+    assert len(sizes) == 1  # one job's windows, submitted at once, under the default cap
     assert value(t, "batchscribe_batch_fill_ratio_sum") == pytest.approx(
         run.speech_s / (run.windows * 30.0))
-    assert value(t, "batchscribe_batch_cap_windows") == 16
+    assert value(t, "batchscribe_batch_cap_windows") == BatcherSettings().max_batch_size
     assert value(t, "batchscribe_queue_wait_seconds_count") == run.windows
     # Per job: the API's numbers.
     assert value(t, "batchscribe_job_rtf_ratio_count") == 1
