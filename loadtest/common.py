@@ -399,3 +399,27 @@ def join_texts(windows: Sequence[ClipWindow], texts: Sequence[str]) -> dict[str,
 
 def now() -> float:
     return time.perf_counter()
+
+
+def free_port() -> int:
+    """A free loopback TCP port (for a server a benchmark or a test starts)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def write_wav16(path: Path, samples: Any, rate: int = 16_000) -> float:
+    """Float samples in [-1, 1] as a mono 16-bit wav (standard library); returns seconds."""
+    import wave
+
+    import numpy as np
+
+    pcm = (np.clip(samples, -1, 1) * 32767).astype("<i2")
+    with wave.open(str(path), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(rate)
+        w.writeframes(pcm.tobytes())
+    return len(pcm) / rate

@@ -11,7 +11,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -22,15 +21,19 @@ from typing import Any
 
 import httpx
 
-from loadtest.common import ROOT, SHORT_CLIP_S, Clip, child_env, latency_summary, proc_status_kb, replay_order
+from loadtest.common import (
+    ROOT,
+    SHORT_CLIP_S,
+    Clip,
+    child_env,
+    free_port,
+    latency_summary,
+    proc_status_kb,
+    replay_order,
+    write_wav16,
+)
 
 TERMINAL = ("done", "failed", "cancelled")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -378,8 +381,6 @@ async def long_file_scenario(client: Client, long_path: Path, long_audio_s: floa
 
 def write_long_wav(clips: Sequence[Clip], path: Path, min_s: float, gap_s: float = 0.8) -> float:
     """Concatenate decoded corpus clips with silence gaps into one 16 kHz mono wav >= min_s."""
-    import wave
-
     import numpy as np
 
     from app.audio import decode
@@ -395,13 +396,7 @@ def write_long_wav(clips: Sequence[Clip], path: Path, min_s: float, gap_s: float
             total += len(a) + len(gap)
             if total >= min_s * SAMPLE_RATE:
                 break
-    pcm = (np.clip(np.concatenate(parts), -1, 1) * 32767).astype("<i2")
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(SAMPLE_RATE)
-        w.writeframes(pcm.tobytes())
-    return len(pcm) / SAMPLE_RATE
+    return write_wav16(path, np.concatenate(parts), SAMPLE_RATE)
 
 
 def server_env_defaults() -> dict[str, str]:

@@ -22,7 +22,6 @@ import json
 import os
 import random
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,6 +33,8 @@ from typing import Any
 
 import httpx
 
+from loadtest.common import free_port
+
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "corpus"))
 FORMATS = ("json", "text", "srt", "vtt")
@@ -42,12 +43,6 @@ FORMATS = ("json", "text", "srt", "vtt")
 def corpus(max_s: float) -> list[Path]:
     rows = [json.loads(x) for x in (CORPUS / "manifest.jsonl").read_text().splitlines()]
     return [CORPUS / r["file"] for r in rows if float(r["duration_s"]) <= max_s]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class Soak:

@@ -13,7 +13,6 @@ import subprocess
 import sys
 import threading
 import time
-import wave
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -31,6 +30,7 @@ from app import audio
 from app.config import BatcherSettings, Settings
 from app.engine import SAMPLE_RATE, EngineInfo
 from app.main import JsonFormatter, create_app
+from loadtest.common import write_wav16
 from tests.conftest import ROOT, Clip, free_port
 from tests.fakes import FakeEngine
 from tests.test_device import FakeNvml, two_gpus
@@ -90,12 +90,7 @@ def long_wav(clips: list[Clip], path: Path, min_s: float) -> Path:
         if total >= min_s:
             break
     assert total >= min_s, "the corpus is too small for a long job"
-    pcm = (np.clip(np.concatenate(parts), -1, 1) * 32767).astype("<i2")
-    with wave.open(str(path), "wb") as w:
-        w.setnchannels(1)
-        w.setsampwidth(2)
-        w.setframerate(SAMPLE_RATE)
-        w.writeframes(pcm.tobytes())
+    write_wav16(path, np.concatenate(parts), SAMPLE_RATE)
     return path
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -54,7 +55,7 @@ def test_truncated_parts_are_rejected_and_never_installed(tmp_path: Path) -> Non
 
 
 def test_unprovisioned_model_names_the_command_to_run(tmp_path: Path) -> None:
-    with pytest.raises(ModelUnavailable, match="python -m models.provision whisper-base"):
+    with pytest.raises(ModelUnavailable, match=re.escape("python -m models.provision whisper-base")):
         resolve("whisper-base", tmp_path)
     with pytest.raises(ModelUnavailable, match="neither provisioned"):
         resolve("no-such-model", tmp_path, local_files_only=True)
