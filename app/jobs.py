@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import secrets
 import time
 from collections.abc import Callable, Iterator
@@ -73,6 +74,7 @@ class JobRunner:
         # Audio the API has admitted whose job row is not committed yet (see api.limits.admitted):
         # counted in the backlog so concurrent uploads cannot all see the same room.
         self.admitting_s = 0.0
+        self._backlog, self._backlog_at = 0.0, -math.inf  # the last backlog_seconds() answer
         self.admission = asyncio.Lock()  # one backlog check at a time (the commits run freely)
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -180,14 +182,22 @@ class JobRunner:
         a = self.active.get(job_id)
         return (a.windows_done, a.windows_total) if a else None
 
-    async def backlog_seconds(self) -> float:
-        """Accepted audio not yet transcribed: what 429 and autoscaling look at."""
+    async def backlog_seconds(self, max_age_s: float = 0.0) -> float:
+        """Accepted audio not yet transcribed: what 429 and autoscaling look at.
+
+        ``max_age_s`` > 0 accepts the last answer if it is that recent (no store query): for
+        early, approximate checks such as the pre-body gate.
+        """
+        now = time.monotonic()
+        if max_age_s > 0 and now - self._backlog_at <= max_age_s:
+            return self._backlog
         # Reservations read before the query: a job committed meanwhile is counted twice at
         # worst (for an instant), never missed.
         pending = self.admitting_s
         queued = await self.store.queued_audio_seconds()
         done = sum(a.audio_done_s for a in self.active.values() if not a.ending)
-        return max(0.0, queued - done) + pending
+        self._backlog, self._backlog_at = max(0.0, queued - done) + pending, now
+        return self._backlog
 
     async def refresh_gauges(self) -> None:
         """Jobs by status and the backlog, from the store: on every scrape and in maintenance."""

@@ -11,10 +11,11 @@ import asyncio
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI, Request, Response
+from fastapi import FastAPI
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api import events, health, jobs, openai, transcribe
 from app.api.limits import install_limits
@@ -139,24 +140,43 @@ def create_app(settings: Settings | None = None,
     install_limits(app, settings.limits)
     install_security(app, settings.security)
 
-    @app.middleware("http")
-    async def http_metrics(request: Request,
-                           call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+    app.add_middleware(HttpMetrics)
+    return app
+
+
+class HttpMetrics:
+    """Requests and latency by route and status: a plain ASGI middleware.
+
+    Not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware runs every request through a
+    task group and memory streams, which cost measurable CPU per request beside the engine.
+    """
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
         start = time.perf_counter()
         status = 500
-        try:
-            response = await call_next(request)
-            status = response.status_code
-            return response
-        finally:
-            route = getattr(request.scope.get("route"), "path", "unmatched")
-            st: AppState | None = getattr(request.app.state, "bs", None)
-            if st is not None:
-                st.metrics.http_requests.labels(request.method, route, str(status)).inc()
-                st.metrics.http_duration.labels(request.method, route).observe(
-                    time.perf_counter() - start)
 
-    return app
+        async def send_status(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_status)
+        finally:
+            # The router records the matched route in the (shared) scope.
+            route = getattr(scope.get("route"), "path", "unmatched")
+            st: AppState | None = getattr(scope["app"].state, "bs", None)
+            if st is not None:
+                st.metrics.http_requests.labels(scope["method"], route, str(status)).inc()
+                st.metrics.http_duration.labels(scope["method"], route).observe(
+                    time.perf_counter() - start)
 
 
 class JsonFormatter(logging.Formatter):

@@ -101,7 +101,12 @@ class JobStore:
         sqlite = url.startswith("sqlite")
         # pre_ping: a pooled connection that a database restart or failover closed is replaced
         # instead of failing the next claim or heartbeat.
-        self.engine: AsyncEngine = create_async_engine(url, pool_pre_ping=not sqlite)
+        # SQLite: a pool as large as the requests in flight. Past the default 5 (+10 overflow)
+        # every extra checkout opened a connection, with its own aiosqlite thread and pragmas,
+        # and closed it again: CPU taken from the engine on every request under load.
+        file_db = sqlite and sa.engine.make_url(url).database not in (None, "", ":memory:")
+        pool = {"pool_size": 32, "max_overflow": 32} if file_db else {}
+        self.engine: AsyncEngine = create_async_engine(url, pool_pre_ping=not sqlite, **pool)
         if sqlite:
             sa.event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
 

@@ -133,7 +133,24 @@ def run_engine(args: argparse.Namespace, work: Path, model: str) -> dict[str, An
                             "windows": res["windows"], **r})
         sequential = sequential or res.get("sequential")
     best = max(configs, key=lambda c: c["throughput_x"]) if configs else None
-    return {"configs": configs, "best": best, "sequential": sequential}
+    arrival = None
+    if best and args.engine_arrival:
+        # The same best layout and batch, windows batched in corpus order instead of sorted by
+        # length: what an engine gets with no queue to group lengths from (context for the
+        # ratio; the check stays against the sorted best).
+        e, w, t, b = best["engines"], best["workers"], best["threads"], best["batch"]
+        log(f"engine limit in arrival order: {layout_name(e, w, t)}, batch {b} (subprocess)")
+        res = run_json_subprocess(
+            ["loadtest.offline", "engine", "--clips", str(work / "clips.json"), "--model", model,
+             "--language", args.language, "--engines", str(e), "--workers", str(w),
+             "--threads", str(t), "--batches", str(b), "--order", "corpus",
+             "--min-seconds", str(args.engine_min_seconds), "--cache", str(work)],
+            child_env(not args.no_tcmalloc), work / "engine-arrival.json",
+            work / "offline.log", timeout=3600)
+        arrival = {"engines": e, "workers": w, "threads": t, "order": res["order"],
+                   "windows": res["windows"], **res["runs"][0]}
+        log(f"  b{b}: {arrival['throughput_x']}x realtime")
+    return {"configs": configs, "best": best, "arrival": arrival, "sequential": sequential}
 
 
 async def run_service(args: argparse.Namespace, work: Path, clips: list[Clip],
@@ -169,7 +186,8 @@ async def run_service(args: argparse.Namespace, work: Path, clips: list[Clip],
         if "load" not in skip:
             log(f"service: {args.clients} clients, {args.warmup:.0f}s warm-up + "
                 f"{args.duration:.0f}s")
-            load = await closed_loop(client, clips, args.clients, args.warmup, args.duration)
+            load = await closed_loop(client, clips, args.clients, args.warmup, args.duration,
+                                     pid, settings["engines"] * settings["num_workers"])
             results = load.pop("_results")
             out["peak_rss_load_mb"] = server.peak_rss_mb()
             compared = [r for r in results if r.ok and r.clip.id in texts]
@@ -178,7 +196,7 @@ async def run_service(args: argparse.Namespace, work: Path, clips: list[Clip],
             load["transcripts_compared"] = len(compared)
             out["load"] = load
             log(f"  {load['throughput_x']}x realtime, short p95 {load['latency_short']['p95_s']}s,"
-                f" batches {load['batch_size']['distribution']}")
+                f" batches {load['batch_size']['distribution']}, CPU {load['cpu']}")
             await client.wait_idle(pid)
 
         for k, (long_path, long_audio_s) in enumerate(long_files):
@@ -235,6 +253,9 @@ def analyse(res: dict[str, Any], clips: list[Clip]) -> None:
     ratios["service/engine_limit"] = (round(tput / best["throughput_x"], 3)
                                       if tput and best else None)
     check("service / engine limit", ratios["service/engine_limit"], TARGETS["engine"])
+    arrival = (res.get("engine") or {}).get("arrival")
+    ratios["service/engine_arrival_order"] = (round(tput / arrival["throughput_x"], 3)
+                                              if tput and arrival else None)
 
     idle_p95 = svc.get("idle", {}).get("latency_short", {}).get("p95_s")
     long_p95 = svc.get("long", {}).get("latency_short", {}).get("p95_s")
@@ -322,6 +343,17 @@ def render_markdown(res: dict[str, Any]) -> str:
                      f" configs = {layout_name(best['engines'], best['workers'], best['threads'])}, batch "
                      f"{best['batch']} | {_x(best['throughput_x'])} | "
                      f"{_x(r.get('service/engine_limit'))} | ≥ {TARGETS['engine']}x | {_ok(c)} |")
+    arrival = (res.get("engine") or {}).get("arrival")
+    if arrival:
+        lines.append(f"| engine, same config, windows batched in arrival order (not sorted) | "
+                     f"{_x(arrival['throughput_x'])} | {_x(r.get('service/engine_arrival_order'))}"
+                     f" | | context |")
+    cpu = load.get("cpu")
+    if cpu:
+        lines += ["", f"Server CPU under load: {cpu['process_cores']} cores, of which its "
+                  f"{cpu['engine_threads']} busiest threads (CTranslate2's workers) "
+                  f"{cpu['engine_thread_cores']} and everything else (HTTP, job store, decode, "
+                  f"VAD, mel, batching) {cpu['other_cores']}."]
     idle = svc.get("idle", {}).get("latency_short", {})
     lat_load = load.get("latency_short", {})
     lng = svc.get("long", {})
@@ -441,8 +473,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="also score baseline (b) on read speech (~30 s more)")
     p.add_argument("--engine-configs", default="2x1:4,8,16;1x2:16,32;2e1x1:8",
                    help="[engines e] workers x threads : batch sizes; ';' between configs")
-    p.add_argument("--engine-min-seconds", type=float, default=0.0,
-                   help="repeat passes over the windows until this long per batch size")
+    p.add_argument("--engine-min-seconds", type=float, default=30.0,
+                   help="repeat passes over the windows until this long per batch size (one "
+                        "~12 s pass is noisy, and the best of several noisy runs is biased up)")
+    p.add_argument("--engine-arrival", action=argparse.BooleanOptionalAction, default=True,
+                   help="also time the best engine config on windows in arrival order")
     p.add_argument("--idle-requests", type=int, default=30,
                    help="short clips timed on the idle server (and at least as many beside the "
                         "long file)")

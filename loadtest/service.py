@@ -211,6 +211,29 @@ class Client:
                 return
 
 
+def thread_cpu(pid: int) -> dict[str, float]:
+    """utime + stime per live thread of a process, in seconds, by thread id."""
+    out: dict[str, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, IndexError):
+            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
+            out[task.name] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def cpu_split(pid: int, before: tuple[float, dict[str, float]], after: tuple[float, dict[str, float]],
+              wall_s: float, engine_threads: int) -> dict[str, Any]:
+    """Where the server's CPU went: its ``engine_threads`` busiest threads (CTranslate2's
+    workers, which run the whole encode and decode) against everything else (HTTP, store,
+    decode, VAD, mel, batching), in cores."""
+    per = sorted((after[1][t] - before[1].get(t, 0.0) for t in after[1]), reverse=True)
+    total = (after[0] - before[0]) / wall_s
+    engine = sum(per[:engine_threads]) / wall_s
+    return {"process_cores": round(total, 3), "engine_thread_cores": round(engine, 3),
+            "other_cores": round(total - engine, 3), "engine_threads": engine_threads}
+
+
 def cpu_seconds(pid: int) -> float:
     """utime + stime of a process, in seconds."""
     try:
@@ -233,7 +256,8 @@ class Cycle:
 
 
 async def closed_loop(client: Client, clips: Sequence[Clip], n_clients: int, warmup_s: float,
-                      duration_s: float) -> dict[str, Any]:
+                      duration_s: float, pid: int | None = None,
+                      engine_threads: int = 2) -> dict[str, Any]:
     """``n_clients`` each send the next clip as soon as their previous one finished.
 
     Throughput is measured in steady state: audio seconds of the requests that finish inside
@@ -250,8 +274,12 @@ async def closed_loop(client: Client, clips: Sequence[Clip], n_clients: int, war
         while time.monotonic() < t_stop:
             results.append(await client.transcribe(cycle.next()))
 
+    cpu: dict[str, tuple[float, dict[str, float]]] = {}
+
     async def snapshot(at: float, key: str) -> None:
         await asyncio.sleep(max(0.0, at - time.monotonic()))
+        if pid is not None:
+            cpu[key] = (cpu_seconds(pid), thread_cpu(pid))
         snaps[key] = await client.metrics()
 
     await asyncio.gather(snapshot(t_start, "start"), snapshot(t_stop, "stop"),
@@ -274,6 +302,8 @@ async def closed_loop(client: Client, clips: Sequence[Clip], n_clients: int, war
                                           "batchscribe_batch_duration_seconds"),
         "engine_audio_s": counter_delta(snaps["start"], snaps["stop"],
                                         "batchscribe_audio_processed_seconds_total"),
+        "cpu": (cpu_split(pid, cpu["start"], cpu["stop"], duration_s, engine_threads)
+                if pid is not None else None),
         "_results": results,
     }
 
