@@ -189,6 +189,13 @@ class WebhookSettings(BaseModel):
     )
     max_backoff_s: float = Field(default=3600.0, gt=0, description="Cap on the wait between attempts.")
     timeout_s: float = Field(default=10.0, gt=0, le=300, description="Per attempt, connect to answer.")
+    allowed_hosts: list[str] = Field(
+        default_factory=list, max_length=1000,
+        description="Hosts a callback_url may name: exact names, or '.example.com' for that "
+        "domain and its subdomains (JSON list in the environment). Empty: any host, which lets "
+        "every client make the service POST to internal addresses; set it where clients are "
+        "not trusted.",
+    )
 
     @property
     def enabled(self) -> bool:

@@ -77,7 +77,22 @@ def check_callback_url(settings: WebhookSettings, url: str | None) -> str | None
         raise BadRequest(f"callback_url is not a URL: {exc}", field="callback_url") from exc
     if parts.scheme not in ("http", "https") or not parts.hostname:
         raise BadRequest("callback_url must be an absolute http(s) URL", field="callback_url")
+    if settings.allowed_hosts and not host_allowed(parts.hostname, settings.allowed_hosts):
+        raise BadRequest(f"callback_url host {parts.hostname!r} is not allowed on this service",
+                         field="callback_url")
     return url
+
+
+def host_allowed(host: str, allowed: list[str]) -> bool:
+    """``host`` is listed, or falls under a listed '.domain' (names compared case-insensitively)."""
+    host = host.lower().rstrip(".")
+    for entry in (a.strip().lower().rstrip(".") for a in allowed):
+        if entry.startswith("."):
+            if host == entry[1:] or host.endswith(entry):
+                return True
+        elif host == entry:
+            return True
+    return False
 
 
 def summary(row: JobRow) -> dict[str, Any]:

@@ -119,6 +119,19 @@ def test_callback_url_checks() -> None:
         check_callback_url(WebhookSettings(), "https://example.com/h")
 
 
+def test_callback_url_allow_list() -> None:
+    listed = WebhookSettings(secret=SecretStr(SECRET),
+                             allowed_hosts=["hooks.example.com", ".corp.example"])
+    for ok in ("https://hooks.example.com/h", "https://HOOKS.example.com./h",
+               "https://corp.example/h", "http://a.b.corp.example:8080/h"):
+        assert check_callback_url(listed, ok) == ok
+    for bad in ("https://example.com/h", "https://evil-hooks.example.com/h",
+                "https://hooks.example.com.evil.net/h", "https://xcorp.example/h",
+                "http://169.254.169.254/latest/meta-data", "http://127.0.0.1:8000/h"):
+        with pytest.raises(BadRequest, match="not allowed"):
+            check_callback_url(listed, bad)
+
+
 # ---- the dispatcher on a real store, no model --------------------------------------------------
 async def new_job(store: JobStore, job_id: str, url: str | None) -> None:
     await store.insert(id=job_id, owner=None, status="running", created_at=time.time(),
@@ -207,7 +220,8 @@ async def test_pending_delivery_resumes_with_a_new_dispatcher(tmp_path: Path,
 # ---- end to end on the real model --------------------------------------------------------------
 def hook_server(make_server: type[Server], data_dir: Path) -> Server:
     return make_server(data_dir, env={"BATCHSCRIBE_WEBHOOKS__SECRET": SECRET,
-                                      "BATCHSCRIBE_WEBHOOKS__BACKOFF_S": "0.2"}).start()
+                                      "BATCHSCRIBE_WEBHOOKS__BACKOFF_S": "0.2",
+                                      "BATCHSCRIBE_WEBHOOKS__ALLOWED_HOSTS": '["127.0.0.1"]'}).start()
 
 
 def wait_webhook(client: httpx.Client, job_id: str, status: str = "delivered") -> dict[str, Any]:
@@ -236,6 +250,12 @@ def test_every_finished_job_is_delivered_once_signed(
                                            "next_attempt_at": None, "last_error": None,
                                            "delivered_at": None}
             ids.append(r.json()["id"])
+        # A host off the allow-list (here the cloud metadata address) is refused up front.
+        with picked[0].path.open("rb") as f:
+            r = client.post("/transcribe", files={"file": (picked[0].path.name, f)},
+                            data={"callback_url": "http://169.254.169.254/latest/meta-data"})
+        assert r.status_code == 400, r.text
+        assert r.json()["error"]["field"] == "callback_url"
         jobs = [wait_webhook(client, i) for i in ids]
         # A final look after all are delivered: nothing is sent twice.
         assert [j["status"] for j in jobs] == ["done"] * len(ids)
