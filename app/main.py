@@ -31,7 +31,7 @@ from app.metrics import Metrics
 from app.placement import load_engines, make_pool
 from app.security import install_security
 from app.state import AppState
-from app.store import JobStore
+from app.store import JobStore, StoreInUse, lock_sqlite
 from app.webhooks import WebhookDispatcher
 from models.registry import ModelUnavailable, broken_model_message, resolve
 
@@ -60,6 +60,20 @@ def create_app(settings: Settings | None = None,
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        try:  # before the model loads: a second process on the same SQLite file fails fast
+            db_lock = lock_sqlite(settings.database_url())
+        except StoreInUse as exc:
+            log.critical("cannot start: %s", exc)
+            raise
+        try:
+            async with running(app):
+                yield
+        finally:
+            if db_lock is not None:
+                db_lock.close()  # releases the flock (an app restarted in-process takes it again)
+
+    @asynccontextmanager
+    async def running(app: FastAPI) -> AsyncIterator[None]:
         metrics = Metrics()
         try:
             engines = await asyncio.to_thread(load_engines, settings, engine_factory)

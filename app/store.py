@@ -11,10 +11,12 @@ The schema is versioned (app/migrations, Alembic) and brought up to date by :met
 from __future__ import annotations
 
 import builtins  # JobStore.list shadows list in the class body's annotations
+import fcntl
 import json
 import time
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import IO, Any
 
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
@@ -254,6 +256,36 @@ class JobStore:
         )
         async with self.engine.connect() as conn:
             return float((await conn.execute(q)).scalar_one())
+
+
+class StoreInUse(RuntimeError):
+    """Another process holds this SQLite job store."""
+
+
+def lock_sqlite(url: str) -> IO[bytes] | None:
+    """Hold ``<database>.lock`` exclusively for this process's life (SQLite only; else None).
+
+    SQLite serves one service process: two would each claim and run the same queued jobs and
+    race on spool files. A second process on the same data dir refuses to start instead. The
+    lock is a flock on an open file, so the kernel drops it when the holder dies (kill -9
+    included): a restart never finds a stale lock.
+    """
+    u = sa.engine.make_url(url)
+    if not u.drivername.startswith("sqlite") or u.database in (None, "", ":memory:"):
+        return None
+    path = Path(f"{u.database}.lock")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    handle = path.open("a+b")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.close()
+        raise StoreInUse(
+            f"another batchscribe process is using {u.database}: a SQLite job store serves one "
+            "process. Stop it, give this one its own BATCHSCRIBE_STORAGE__DATA_DIR, or share a "
+            "PostgreSQL BATCHSCRIBE_STORAGE__DATABASE_URL between replicas."
+        ) from None
+    return handle
 
 
 def _sqlite_pragmas(dbapi_conn: Any, _: Any) -> None:

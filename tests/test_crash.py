@@ -211,3 +211,21 @@ def test_sigterm_drains_gracefully(make_server: type[Server], tmp_path: Path,
     srv2 = make_server(data, env=env).start()
     check_all_done(srv2, accepted)
     assert not list((data / "uploads").iterdir())
+
+
+def test_a_second_process_on_the_same_sqlite_store_refuses_to_start(
+        make_server: type[Server], tmp_path: Path) -> None:
+    """Two processes on one SQLite file would both claim the same jobs: the second one exits
+    with the reason (before loading the model); a kill -9 leaves no stale lock behind."""
+    data = tmp_path / "data"
+    first = make_server(data).start()
+    second = make_server(data)
+    with pytest.raises(RuntimeError, match="another batchscribe process is using"):
+        second.start(timeout=120)
+    assert second.proc is not None and second.proc.returncode not in (0, None)
+    with first.client() as c:
+        assert c.get("/healthz").status_code == 200
+    first.kill()
+    third = make_server(data).start()
+    with third.client() as c:
+        assert c.get("/readyz").status_code == 200
