@@ -106,8 +106,7 @@ class JobStore:
         # SQLite: a pool as large as the requests in flight. Past the default 5 (+10 overflow)
         # every extra checkout opened a connection, with its own aiosqlite thread and pragmas,
         # and closed it again: CPU taken from the engine on every request under load.
-        file_db = sqlite and sa.engine.make_url(url).database not in (None, "", ":memory:")
-        pool = {"pool_size": 32, "max_overflow": 32} if file_db else {}
+        pool = {"pool_size": 32, "max_overflow": 32} if sqlite_file(url) else {}
         self.engine: AsyncEngine = create_async_engine(url, pool_pre_ping=not sqlite, **pool)
         if sqlite:
             sa.event.listen(self.engine.sync_engine, "connect", _sqlite_pragmas)
@@ -258,6 +257,14 @@ class JobStore:
             return float((await conn.execute(q)).scalar_one())
 
 
+def sqlite_file(url: str) -> str | None:
+    """The database file of a SQLite URL; None for in-memory SQLite and other databases."""
+    u = sa.engine.make_url(url)
+    if not u.drivername.startswith("sqlite") or u.database in (None, "", ":memory:"):
+        return None
+    return u.database
+
+
 class StoreInUse(RuntimeError):
     """Another process holds this SQLite job store."""
 
@@ -270,10 +277,10 @@ def lock_sqlite(url: str) -> IO[bytes] | None:
     lock is a flock on an open file, so the kernel drops it when the holder dies (kill -9
     included): a restart never finds a stale lock.
     """
-    u = sa.engine.make_url(url)
-    if not u.drivername.startswith("sqlite") or u.database in (None, "", ":memory:"):
+    database = sqlite_file(url)
+    if database is None:
         return None
-    path = Path(f"{u.database}.lock")
+    path = Path(f"{database}.lock")
     path.parent.mkdir(parents=True, exist_ok=True)
     handle = path.open("a+b")
     try:
@@ -281,7 +288,7 @@ def lock_sqlite(url: str) -> IO[bytes] | None:
     except BlockingIOError:
         handle.close()
         raise StoreInUse(
-            f"another batchscribe process is using {u.database}: a SQLite job store serves one "
+            f"another batchscribe process is using {database}: a SQLite job store serves one "
             "process. Stop it, give this one its own BATCHSCRIBE_STORAGE__DATA_DIR, or share a "
             "PostgreSQL BATCHSCRIBE_STORAGE__DATABASE_URL between replicas."
         ) from None

@@ -114,19 +114,24 @@ def run_baselines(args: argparse.Namespace, work: Path, model: str) -> dict[str,
     return res
 
 
+def offline_engine(args: argparse.Namespace, work: Path, model: str, e: int, w: int, t: int,
+                   batches: list[int], out: str, *extra: str) -> dict[str, Any]:
+    """One ``loadtest.offline engine`` subprocess: this layout at these batch sizes."""
+    return run_json_subprocess(
+        ["loadtest.offline", "engine", "--clips", str(work / "clips.json"), "--model", model,
+         "--language", args.language, "--engines", str(e), "--workers", str(w),
+         "--threads", str(t), "--batches", ",".join(map(str, batches)),
+         "--min-seconds", str(args.engine_min_seconds), "--cache", str(work), *extra],
+        child_env(not args.no_tcmalloc), work / out, work / "offline.log", timeout=3600)
+
+
 def run_engine(args: argparse.Namespace, work: Path, model: str) -> dict[str, Any]:
     configs = []
     sequential = None
     for i, (e, w, t, batches) in enumerate(parse_engine_configs(args.engine_configs)):
         log(f"engine limit: {layout_name(e, w, t)}, batches {batches} (subprocess)")
-        res = run_json_subprocess(
-            ["loadtest.offline", "engine", "--clips", str(work / "clips.json"), "--model", model,
-             "--language", args.language, "--engines", str(e), "--workers", str(w),
-             "--threads", str(t), "--batches", ",".join(map(str, batches)),
-             "--min-seconds", str(args.engine_min_seconds), "--cache", str(work), "--texts",
-             *(["--sequential-texts"] if i == 0 else [])],
-            child_env(not args.no_tcmalloc), work / f"engine-{e}e{w}x{t}.json",
-            work / "offline.log", timeout=3600)
+        res = offline_engine(args, work, model, e, w, t, batches, f"engine-{e}e{w}x{t}.json",
+                             "--texts", *(["--sequential-texts"] if i == 0 else []))
         for r in res["runs"]:
             log(f"  b{r['batch']}: {r['throughput_x']}x realtime, peak RSS {r['peak_rss_mb']} MB")
             configs.append({"engines": e, "workers": w, "threads": t, "order": res["order"],
@@ -140,13 +145,8 @@ def run_engine(args: argparse.Namespace, work: Path, model: str) -> dict[str, An
         # ratio; the check stays against the sorted best).
         e, w, t, b = best["engines"], best["workers"], best["threads"], best["batch"]
         log(f"engine limit in arrival order: {layout_name(e, w, t)}, batch {b} (subprocess)")
-        res = run_json_subprocess(
-            ["loadtest.offline", "engine", "--clips", str(work / "clips.json"), "--model", model,
-             "--language", args.language, "--engines", str(e), "--workers", str(w),
-             "--threads", str(t), "--batches", str(b), "--order", "corpus",
-             "--min-seconds", str(args.engine_min_seconds), "--cache", str(work)],
-            child_env(not args.no_tcmalloc), work / "engine-arrival.json",
-            work / "offline.log", timeout=3600)
+        res = offline_engine(args, work, model, e, w, t, [b], "engine-arrival.json",
+                             "--order", "corpus")
         arrival = {"engines": e, "workers": w, "threads": t, "order": res["order"],
                    "windows": res["windows"], **res["runs"][0]}
         log(f"  b{b}: {arrival['throughput_x']}x realtime")

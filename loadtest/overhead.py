@@ -25,10 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import httpx
-
-from loadtest.common import ROOT, child_env, free_port, load_corpus
-from loadtest.service import Client, all_at_once, cpu_seconds, thread_cpu
+from loadtest.common import load_corpus
+from loadtest.service import Client, Server, all_at_once, cpu_seconds, thread_cpu
 
 SERVE = """
 import os, sys
@@ -70,34 +68,22 @@ def thread_names(pid: int) -> dict[str, str]:
 
 async def measure(args: argparse.Namespace) -> dict[str, Any]:
     clips = load_corpus(args.corpus) if args.corpus else load_corpus()
-    port = free_port()
     with tempfile.TemporaryDirectory() as data:
-        env = child_env(True, {"BATCHSCRIBE_PORT": str(port),
-                               "BATCHSCRIBE_STORAGE__DATA_DIR": data})
-        proc = subprocess.Popen([sys.executable, "-c", SERVE], cwd=ROOT, env=env)
-        url = f"http://127.0.0.1:{port}"
-        client = Client(url, clips, args.language or None)
+        server = Server(Path(data), argv=["-c", SERVE]).start()
+        assert server.proc is not None
+        pid = server.proc.pid
+        client = Client(server.url, clips, args.language or None)
         try:
-            for _ in range(600):
-                try:
-                    if httpx.get(url + "/readyz", timeout=2).status_code == 200:
-                        break
-                except httpx.HTTPError:
-                    pass
-                if proc.poll() is not None:
-                    raise RuntimeError(f"server exited with {proc.returncode}")
-                time.sleep(0.2)
             await all_at_once(client, clips[:16], args.clients)  # warm-up
-            before = (cpu_seconds(proc.pid), thread_cpu(proc.pid))
+            before = (cpu_seconds(pid), thread_cpu(pid))
             t0 = time.monotonic()
             results = await all_at_once(client, list(clips) * args.passes, args.clients)
             wall = time.monotonic() - t0
-            after = (cpu_seconds(proc.pid), thread_cpu(proc.pid))
-            names = thread_names(proc.pid)
+            after = (cpu_seconds(pid), thread_cpu(pid))
+            names = thread_names(pid)
         finally:
             await client.close()
-            proc.terminate()
-            proc.wait(60)
+            server.stop()
     n = len(results)
     by: dict[str, float] = {}
     for tid, t in after[1].items():

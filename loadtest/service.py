@@ -38,13 +38,15 @@ TERMINAL = ("done", "failed", "cancelled")
 
 @dataclass
 class Server:
-    """``python -m app`` on a free port with its own data dir (as tests/conftest.py starts it)."""
+    """``python -m app`` (or ``argv``) on a free port with its own data dir (as tests/conftest.py
+    starts it)."""
 
     data_dir: Path
     env: dict[str, str] = field(default_factory=dict)
     tcmalloc: bool = True
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
+    argv: list[str] = field(default_factory=lambda: ["-m", "app"])  # after the interpreter
 
     @property
     def url(self) -> str:
@@ -61,7 +63,7 @@ class Server:
                                         "BATCHSCRIBE_STORAGE__DATA_DIR": str(self.data_dir),
                                         **self.env})
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, *self.argv], cwd=ROOT, env=env,
                                      stdout=log, stderr=subprocess.STDOUT)
         log.close()
         deadline = time.monotonic() + timeout
@@ -211,14 +213,18 @@ class Client:
                 return
 
 
+def stat_cpu_seconds(stat: Path) -> float:
+    """utime + stime from a /proc ``stat`` file (a process's or one thread's), in seconds."""
+    fields = stat.read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def thread_cpu(pid: int) -> dict[str, float]:
     """utime + stime per live thread of a process, in seconds, by thread id."""
     out: dict[str, float] = {}
-    tick = os.sysconf("SC_CLK_TCK")
     for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError, IndexError):
-            fields = (task / "stat").read_text().rsplit(")", 1)[1].split()
-            out[task.name] = (int(fields[11]) + int(fields[12])) / tick
+        with contextlib.suppress(OSError):  # a thread that ended meanwhile
+            out[task.name] = stat_cpu_seconds(task / "stat")
     return out
 
 
@@ -235,12 +241,11 @@ def cpu_split(pid: int, before: tuple[float, dict[str, float]], after: tuple[flo
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, in seconds."""
+    """utime + stime of a process, in seconds (0 once it is gone)."""
     try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
     except OSError:
         return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # ---- phases -----------------------------------------------------------------------------------

@@ -33,7 +33,7 @@ from typing import Any
 
 import httpx
 
-from loadtest.common import free_port
+from loadtest.common import free_port, proc_status_kb
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "corpus"))
@@ -121,12 +121,8 @@ class Soak:
 
 def read_rss(pid: int | None, url: str) -> int | None:
     if pid is not None:
-        try:
-            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        except OSError:
-            return None
+        kb = proc_status_kb(pid, "VmRSS")
+        return None if kb is None else kb * 1024
     try:
         for line in httpx.get(url + "/metrics", timeout=10).text.splitlines():
             if line.startswith("process_resident_memory_bytes "):

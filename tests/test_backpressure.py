@@ -22,6 +22,7 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from app.state import AppState
+from loadtest.common import proc_status_kb
 from tests.conftest import Clip, Server
 from tests.test_bad_input import HealthWatch
 from tests.test_crash import speech_clips, submit, wait_until
@@ -42,11 +43,9 @@ class RssSampler(threading.Thread):
 
     def run(self) -> None:
         while not self.stop.wait(0.2):
-            try:
-                status = Path(f"/proc/{self.pid}/status").read_text()
-            except OSError:
+            kb = proc_status_kb(self.pid, "VmRSS")
+            if kb is None:  # the process is gone
                 return
-            kb = next(int(x.split()[1]) for x in status.splitlines() if x.startswith("VmRSS:"))
             self.samples.append(kb * 1024)
 
 

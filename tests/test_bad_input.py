@@ -11,7 +11,7 @@ import io
 import threading
 import time
 import wave
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import av
@@ -20,6 +20,7 @@ import jiwer
 import numpy as np
 import pytest
 
+from loadtest.common import proc_status_kb
 from tests.conftest import Clip, Server, corpus_clips
 
 pytestmark = pytest.mark.model
@@ -55,15 +56,13 @@ def wav(samples: np.ndarray, rate: int, width: int = 2) -> bytes:
     return buf.getvalue()
 
 
-def encode(samples: np.ndarray, rate: int, fmt: str, codec: str) -> bytes:
-    """Encode mono float samples with PyAV (bundled FFmpeg) into an in-memory file."""
+def encode_chunks(chunks: Iterable[np.ndarray], rate: int, fmt: str, codec: str) -> bytes:
+    """Encode mono s16 chunks (1 x n) with PyAV (bundled FFmpeg) into an in-memory file."""
     buf = io.BytesIO()
-    pcm = (np.clip(samples.reshape(1, -1), -1, 1) * 32767).astype(np.int16)
     with av.open(buf, mode="w", format=fmt) as c:
         s = c.add_stream(codec, rate=rate, layout="mono")
-        step = rate * 10
-        for i in range(0, pcm.shape[1], step):
-            f = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[:, i:i + step]), format="s16",
+        for chunk in chunks:
+            f = av.AudioFrame.from_ndarray(np.ascontiguousarray(chunk), format="s16",
                                            layout="mono")
             f.sample_rate = rate
             for p in s.encode(f):
@@ -73,21 +72,19 @@ def encode(samples: np.ndarray, rate: int, fmt: str, codec: str) -> bytes:
     return buf.getvalue()
 
 
+def encode(samples: np.ndarray, rate: int, fmt: str, codec: str) -> bytes:
+    """Encode mono float samples into an in-memory file, 10 s per frame."""
+    pcm = (np.clip(samples.reshape(1, -1), -1, 1) * 32767).astype(np.int16)
+    step = rate * 10
+    return encode_chunks((pcm[:, i:i + step] for i in range(0, pcm.shape[1], step)),
+                         rate, fmt, codec)
+
+
 def two_hour_flac() -> bytes:
     """2 h of digital silence: FLAC squeezes it to ~1.3 MB, so only the duration limit applies."""
     rate = 8000
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format="flac") as c:
-        s = c.add_stream("flac", rate=rate, layout="mono")
-        minute = np.zeros((1, rate * 60), dtype=np.int16)
-        for _ in range(120):
-            f = av.AudioFrame.from_ndarray(minute, format="s16", layout="mono")
-            f.sample_rate = rate
-            for p in s.encode(f):
-                c.mux(p)
-        for p in s.encode(None):
-            c.mux(p)
-    return buf.getvalue()
+    minute = np.zeros((1, rate * 60), dtype=np.int16)
+    return encode_chunks((minute for _ in range(120)), rate, "flac", "flac")
 
 
 def huge_header_wav(speech: np.ndarray) -> bytes:
@@ -313,7 +310,6 @@ def test_health_answered_throughout(watch: HealthWatch) -> None:
 
 def rss_bytes(srv: Server) -> int:
     assert srv.proc is not None
-    for line in Path(f"/proc/{srv.proc.pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("no VmRSS")
+    kb = proc_status_kb(srv.proc.pid, "VmRSS")
+    assert kb is not None, "no VmRSS"
+    return kb * 1024

@@ -28,7 +28,7 @@ import pytest
 import sqlalchemy as sa
 
 from tests.conftest import Clip, Server, free_port
-from tests.test_crash import speech_clips, submit, wait_until
+from tests.test_crash import finished_done, speech_clips, submit, wait_until
 from tests.wer import wer
 
 PG_BINS = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
@@ -170,14 +170,6 @@ def jobs_done(srv: Server, ids: set[str], timeout: float) -> bool:
     return wait_until(check, timeout, step=1.0)
 
 
-def finished_total(srv: Server) -> float:
-    with srv.client() as c:
-        for line in c.get("/metrics").text.splitlines():
-            if line.startswith('batchscribe_jobs_finished_total{status="done"}'):
-                return float(line.split()[-1])
-    return 0.0
-
-
 @pytest.mark.model
 def test_two_replicas_share_one_queue(make_server: type[Server], tmp_path: Path, db: str,
                                       clips: list[Clip]) -> None:
@@ -203,7 +195,7 @@ def test_two_replicas_share_one_queue(make_server: type[Server], tmp_path: Path,
     by = {r["replica"] for r in table.values()}
     assert by == {"replica-a", "replica-b"}, by  # both replicas took work from the one queue
     # Exactly once: the two processes together finished each job once.
-    assert finished_total(a) + finished_total(b) == len(accepted)
+    assert finished_done(a) + finished_done(b) == len(accepted)
     # Any replica answers for any job, and the blob folder is empty once all are done.
     some = next(iter(accepted))
     with a.client() as ca, b.client() as cb:
