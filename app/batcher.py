@@ -9,6 +9,9 @@ A batch leaves when a group of compatible windows reaches the cap, or its oldest
 waited ``max_wait_ms``, and an engine worker is free. Because batches form only when a worker is
 free, windows pile up while the engine is busy and the next batch is full: under load the
 engine runs full batches; when idle, a lone request waits at most ``max_wait_ms``.
+
+Two stages (CPU): a batch may instead be an *encode* of queued windows or a *decode* of
+encoded ones gathered across calls; see app/stages.py.
 """
 
 from __future__ import annotations
@@ -18,48 +21,45 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from functools import partial
 
 from app.config import BatcherSettings
 from app.device import is_oom
 from app.engine import WINDOW_S, DecodeOptions, Window, WindowResult
 from app.errors import ShuttingDown, TranscriptionFailed
 from app.metrics import Metrics
+from app.stages import Batch, DecodePool, GroupKey, Item, Stage, Stages, encoded_of
 
 log = logging.getLogger(__name__)
 
 RunBatch = Callable[[Sequence[Window], DecodeOptions], Awaitable[list[WindowResult]]]
 
 
-@dataclass(eq=False)
-class Item:
-    job_id: str
-    rank: int  # position of this window among its job's windows still to submit: fairness key
-    window: Window
-    options: DecodeOptions
-    future: asyncio.Future[WindowResult]
-    enqueued: float = field(default_factory=time.monotonic)
-
-
 class Batcher:
     def __init__(
         self, run_batch: RunBatch, settings: BatcherSettings, workers: int, metrics: Metrics,
         size_class: Callable[[Window], float] | None = None, base_memory_mb: float = 0.0,
+        stages: Stages | None = None,
     ) -> None:
         self._run_batch = run_batch
+        self._stages = stages
         # Windows of one size class batch best together: with the engine's dynamic time axis,
         # its padded-length class (one encoder shape); otherwise duration buckets.
         bucket = settings.duration_bucket_s
         self._size_class = size_class or (lambda w: w.duration // bucket)
         self._base_memory_mb = base_memory_mb  # held before any batch: the resident model
-        self._in_flight = 0  # windows handed to the engine and not yet back
-        self._job_in_flight: dict[str, int] = {}  # the same, per job
+        self._in_flight = 0  # windows inside engine calls right now
+        # Windows taken from the queue whose result is not out yet (encoded ones included), per
+        # job: a job with none is "fresh" (see _take).
+        self._job_in_flight: dict[str, int] = {}
+        self._short_in_flight = 0  # of those, windows of short requests (see Item.job_windows)
         self._small: set[int] = set()  # id() of running batches of <= cap/4 windows
         self.settings = settings
         self.cap = settings.max_batch_size
         self._streak = 0
         self._metrics = metrics
-        self._groups: dict[DecodeOptions, list[Item]] = {}
+        self._groups: dict[DecodeOptions, list[Item]] = {}  # queued, by options
+        self._pool = DecodePool()  # two stages: encoded windows waiting for a decoder batch
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(workers)
         self._retiring: set[asyncio.Task[None]] = set()  # see retire_slots
@@ -80,14 +80,18 @@ class Batcher:
         futures = []
         for rank, w in enumerate(windows):
             fut: asyncio.Future[WindowResult] = loop.create_future()
-            group.append(Item(job_id, rank, w, options, fut))
+            padded = self._stages.padded(w, options) if self._stages else 0
+            group.append(Item(job_id, rank, w, options, fut, job_windows=len(windows),
+                              padded=padded))
             futures.append(fut)
         self._update_gauges()
         self._wake.set()
         return futures
 
     def pending(self) -> int:
-        return sum(1 for g in self._groups.values() for i in g if not i.future.done())
+        """Windows waiting: for an engine call, or (two stages) between encode and decode."""
+        queued = sum(1 for g in self._groups.values() for i in g if not i.future.done())
+        return queued + self._pool.pending()
 
     def retire_slots(self, n: int) -> None:
         """Take ``n`` worker slots for good (an engine left the pool, see app/placement.py), so
@@ -113,9 +117,8 @@ class Batcher:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._running:
             await asyncio.wait(self._running, timeout=grace_s)
-        for group in self._groups.values():
-            for item in group:
-                _fail(item, ShuttingDown("service stopping; the job stays queued"))
+        for item in [*(i for g in self._groups.values() for i in g), *self._pool.drain()]:
+            _fail(item, ShuttingDown("service stopping; the job stays queued"))
         self._groups.clear()
 
     # ---- the owner loop ----------------------------------------------------------------------
@@ -123,15 +126,15 @@ class Batcher:
         while True:
             await self._slots.acquire()
             try:
-                key, items = await self._next_batch()
+                batch = await self._next_batch()
             except BaseException:
                 self._slots.release()
                 raise
-            task = asyncio.create_task(self._dispatch(key, items))
+            task = asyncio.create_task(self._dispatch(batch))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
 
-    async def _next_batch(self) -> tuple[DecodeOptions, list[Item]]:
+    async def _next_batch(self) -> Batch:
         while True:
             self._wake.clear()
             now = time.monotonic()
@@ -142,8 +145,16 @@ class Batcher:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
-    def _pick(self, now: float) -> tuple[tuple[DecodeOptions, list[Item]] | None, float | None]:
-        """The group to run now (full, or its oldest window is due), else the next deadline."""
+    def _pick(self, now: float) -> tuple[Batch | None, float | None]:
+        """The batch to run now, else when to look again.
+
+        One stage: a group of queued windows that is full, or whose oldest is due.
+        Two stages, in this order: an encoded group that is full or has waited
+        ``max_decode_wait_ms``; queued windows to encode, as above (the encoder costs the same
+        per window in any batch, so encoding early loses nothing, and the windows it moves to
+        the pool grow the decoder batches); else the largest encoded group, so that a worker
+        never idles while there is work.
+        """
         wait_s = self.settings.max_wait_ms / 1000
         best: tuple[float, DecodeOptions] | None = None
         deadline: float | None = None
@@ -159,20 +170,58 @@ class Batcher:
                     best = (oldest, key)
             elif deadline is None or oldest + wait_s < deadline:
                 deadline = oldest + wait_s
+        if self._stages is not None:
+            decode, due = self._pick_decode(now, idle=best is None)
+            if decode is not None:
+                return decode, None
+            deadline = min((d for d in (deadline, due) if d is not None), default=None)
         if best is None:
             return None, deadline
         key = best[1]
         items = self._take(self._groups[key])
+        # A long upload's windows fill decoder batches by themselves: they run both stages in
+        # one call and stay out of the pool, which is for short requests arriving over time.
+        small = max(1, self.cap // 4)
+        staged = self._stages is not None and any(i.job_windows <= small for i in items)
+        batch = Batch("encode" if staged else "run", key, items)
+        if staged:
+            self._pool.encoding(items, +1)
         self._update_gauges()
-        return (key, items), None
+        return batch, None
 
-    def limit(self) -> int:
-        """Windows the next batch may take: the (OOM-adjusted) cap, within the memory budget."""
+    def _pick_decode(self, now: float, idle: bool, among: set[GroupKey] | None = None
+                     ) -> tuple[Batch | None, float | None]:
+        """An encoded group to decode, if one is ready (see app/stages.py). A group of only long
+        uploads' windows, on the last free worker, decodes a small batch, as in _take."""
+        small = max(1, self.cap // 4)
+        limit = self.limit("decode")
+        key, deadline = self._pool.select(
+            now, wait_s=self.settings.max_decode_wait_ms / 1000, limit=limit, small=small,
+            idle=idle, queued=(i for g in self._groups.values() for i in g),
+            shorts_in_flight=self._short_in_flight, among=among)
+        if key is None:
+            return None, deadline
+        group = self._pool.groups[key]
+        if all(i.job_windows > small for i in group) and self._slots.locked() and not self._small:
+            limit = min(limit, small)
+        items = self._pool.take(key, limit)
+        self._in_flight += len(items)
+        if len(items) <= small:
+            self._small.add(id(items))
+        self._update_gauges()
+        return Batch("decode", key[0], items), None
+
+    def limit(self, stage: Stage = "run") -> int:
+        """Windows the next batch may take: the (OOM-adjusted) cap, within the memory budget.
+        A decoder batch's cap is ``max_decode_batch_size``, scaled down with the cap."""
         s = self.settings
+        cap = self.cap
+        if stage == "decode":
+            cap = max(1, s.max_decode_batch_size * self.cap // s.max_batch_size)
         if not s.memory_budget_mb:
-            return self.cap
+            return cap
         room = int((s.memory_budget_mb - self._base_memory_mb) / s.window_memory_mb)
-        return max(1, min(self.cap, room - self._in_flight))
+        return max(1, min(cap, room - self._in_flight))
 
     def _take(self, group: list[Item]) -> list[Item]:
         """Choose up to ``cap`` windows of one group: fair across jobs, similar lengths together.
@@ -208,6 +257,8 @@ class Batcher:
         self._in_flight += len(chosen)
         for i in chosen:
             self._job_in_flight[i.job_id] = self._job_in_flight.get(i.job_id, 0) + 1
+            self._short_in_flight += i.job_windows <= small
+            i.future.add_done_callback(partial(self._job_out, i.job_id, i.job_windows <= small))
         taken = set(map(id, chosen))
         group[:] = [i for i in group if id(i) not in taken]
         # Each job's windows in time order inside the batch: cosmetic, but keeps logs readable.
@@ -216,14 +267,45 @@ class Batcher:
             self._small.add(id(batch))  # the same list object reaches _dispatch
         return batch
 
+    def _job_out(self, job_id: str, short: bool, _: object) -> None:
+        """A taken window's result is out (or it failed, or was cancelled while encoded)."""
+        self._short_in_flight -= short
+        left = self._job_in_flight.get(job_id, 1) - 1
+        if left:
+            self._job_in_flight[job_id] = left
+        else:
+            self._job_in_flight.pop(job_id, None)
+
     # ---- running a batch ---------------------------------------------------------------------
-    async def _dispatch(self, key: DecodeOptions, items: list[Item]) -> None:
-        now = time.monotonic()
-        for i in items:  # once per window, here: OOM retries of a split batch do not count again
-            if not i.future.done():
-                self._metrics.queue_wait.observe(now - i.enqueued)
+    async def _dispatch(self, batch: Batch) -> None:
+        """Run a batch on the slot it was given; after an encode, decode on the same slot any
+        group of its windows that is ready (a short request then waits for one free worker,
+        not two), and only then hand the slot back."""
         try:
-            await self._execute(key, items)
+            next_batch: Batch | None = batch
+            while next_batch is not None:
+                await self._run(next_batch)
+                next_batch = self._chained(next_batch)
+        finally:
+            self._slots.release()
+            self._update_gauges()
+            self._wake.set()  # encoded windows may complete a decode group
+
+    def _chained(self, done: Batch) -> Batch | None:
+        if done.stage != "encode" or self._stopping:
+            return None
+        mine = {(done.options, i.padded) for i in done.items}
+        return self._pick_decode(time.monotonic(), idle=False, among=mine)[0]
+
+    async def _run(self, batch: Batch) -> None:
+        items = batch.items
+        now = time.monotonic()
+        if batch.stage != "decode":  # once per window: OOM retries of a split batch do not count
+            for i in items:
+                if not i.future.done():
+                    self._metrics.queue_wait.observe(now - i.enqueued)
+        try:
+            await self._execute(batch.stage, batch.options, items)
         except BaseException as exc:  # never leave a caller hanging, whatever happened
             for i in items:
                 _fail(i, exc if isinstance(exc, Exception) else ShuttingDown("cancelled"))
@@ -232,38 +314,44 @@ class Batcher:
         finally:
             self._small.discard(id(items))
             self._in_flight -= len(items)
-            for i in items:
-                left = self._job_in_flight.get(i.job_id, 1) - 1
-                if left:
-                    self._job_in_flight[i.job_id] = left
-                else:
-                    self._job_in_flight.pop(i.job_id, None)
-            self._slots.release()
-            self._update_gauges()
+            if batch.stage == "encode":
+                self._pool.encoding(items, -1)
 
-    async def _execute(self, key: DecodeOptions, items: list[Item]) -> None:
+    async def _execute(self, stage: Stage, key: DecodeOptions, items: list[Item]) -> None:
         items = [i for i in items if not i.future.done()]  # cancelled while waiting: free
         if not items:
             return
         m = self._metrics
+        windows = [i.window for i in items]
         start = time.monotonic()
         try:
-            results = await self._run_batch([i.window for i in items], key)
+            if stage == "encode":
+                assert self._stages is not None
+                encoded = await self._stages.encode(windows, key)
+            elif stage == "decode":
+                assert self._stages is not None
+                results = await self._stages.decode(windows, encoded_of(items), key)
+            else:
+                results = await self._run_batch(windows, key)
         except Exception as exc:
             m.processing.inc(time.monotonic() - start)  # engine time spent, even if wasted
-            await self._recover(key, items, exc)
+            await self._recover(stage, key, items, exc)
             return
         elapsed = time.monotonic() - start
-        audio = sum(i.window.duration for i in items)
-        m.batches.labels("ok").inc()
-        m.batch_size.observe(len(items))
         m.batch_duration.observe(elapsed)
         m.processing.inc(elapsed)
-        m.audio_processed.inc(audio)
-        m.batch_fill.observe(min(1.0, audio / (len(items) * WINDOW_S)))
-        for i, r in zip(items, results, strict=True):
-            if not i.future.done():
-                i.future.set_result(r)
+        if stage == "encode":
+            self._pool.add(items, encoded)
+        else:
+            audio = sum(w.duration for w in windows)
+            m.batches.labels("ok").inc()
+            m.batch_size.observe(len(items))
+            m.audio_processed.inc(audio)
+            m.batch_fill.observe(min(1.0, audio / (len(items) * WINDOW_S)))
+            for i, r in zip(items, results, strict=True):
+                i.encoded = None
+                if not i.future.done():
+                    i.future.set_result(r)
         self._streak += 1
         if self.cap < self.settings.max_batch_size and self._streak >= self.settings.regrow_after:
             self.cap = min(self.settings.max_batch_size, self.cap * 2)
@@ -271,7 +359,8 @@ class Batcher:
             m.batch_cap.set(self.cap)
             log.info("batch cap regrown to %d", self.cap)
 
-    async def _recover(self, key: DecodeOptions, items: list[Item], exc: Exception) -> None:
+    async def _recover(self, stage: Stage, key: DecodeOptions, items: list[Item],
+                       exc: Exception) -> None:
         """Split a failed batch to isolate the cause; on OOM also halve the cap."""
         m = self._metrics
         m.batches.labels("oom" if is_oom(exc) else "error").inc()
@@ -290,8 +379,8 @@ class Batcher:
             ))
             return
         half = len(items) // 2
-        await self._execute(key, items[:half])
-        await self._execute(key, items[half:])
+        await self._execute(stage, key, items[:half])
+        await self._execute(stage, key, items[half:])
 
     def _update_gauges(self) -> None:
         self._metrics.pending_windows.set(self.pending())

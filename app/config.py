@@ -80,6 +80,24 @@ class BatcherSettings(BaseModel):
     max_wait_ms: int = Field(
         50, ge=0, le=60_000, description="Oldest window waits at most this long for a fuller batch."
     )
+    split_stages: bool = Field(
+        True,
+        description="CPU: run the encoder and the decoder as separate engine calls, so the decoder "
+        "batches every queued window of one padded length, whichever call encoded it (the "
+        "decoder's cost per window falls steeply with its batch; the encoder's does not). "
+        "Ignored on GPU, where encoder outputs stay on the device.",
+    )
+    max_decode_batch_size: int = Field(
+        16, ge=1, le=256,
+        description="Two stages: windows per decoder batch (scaled down with the cap after an "
+        "OOM). The decoder's cost per window keeps falling up to ~16 on CPU.",
+    )
+    max_decode_wait_ms: int = Field(
+        2000, ge=0, le=60_000,
+        description="Two stages: how long an encoded window may wait for its decoder batch to "
+        "fill. It waits only while the workers are busy and other short requests are in the "
+        "service; an idle worker decodes at once.",
+    )
     regrow_after: int = Field(
         8, ge=1, le=10_000, description="Successful batches before a halved cap doubles again."
     )

@@ -13,6 +13,7 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
+from typing import cast
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
@@ -24,12 +25,13 @@ from app.batcher import Batcher
 from app.blobs import make_blobs
 from app.config import Settings
 from app.device import DeviceMonitor, resolve_device
-from app.engine import Engine, WhisperEngine, size_class
+from app.engine import Engine, StagedEngine, WhisperEngine, size_class
 from app.errors import install_error_handlers
 from app.jobs import JobRunner
 from app.metrics import Metrics
-from app.placement import load_engines, make_pool
+from app.placement import EnginePool, load_engines, make_pool
 from app.security import install_security
+from app.stages import Stages
 from app.state import AppState
 from app.store import JobStore, StoreInUse, lock_sqlite
 from app.webhooks import WebhookDispatcher
@@ -52,6 +54,14 @@ def held_mb(monitor: DeviceMonitor) -> float:
     """Memory this process holds now (RSS on CPU, its VRAM on GPU): the budget's baseline."""
     return sum(r.used_bytes if r.process_bytes is None else r.process_bytes
                for r in monitor.read()) / 2**20
+
+
+def stages(settings: Settings, pool: EnginePool) -> Stages | None:
+    """The encoder and decoder as separate batcher stages, where the engines allow it (CPU)."""
+    if not (settings.batcher.split_stages and pool.staged):
+        return None
+    engine = cast(StagedEngine, pool.engine)
+    return Stages(pool.encode, pool.decode, engine.padded_samples)
 
 
 def create_app(settings: Settings | None = None,
@@ -99,7 +109,7 @@ def create_app(settings: Settings | None = None,
         monitor = DeviceMonitor(device)
         batcher = Batcher(runner_engine.run, settings.batcher, runner_engine.workers, metrics,
                           size_class=size_class(settings.model),
-                          base_memory_mb=held_mb(monitor))
+                          base_memory_mb=held_mb(monitor), stages=stages(settings, runner_engine))
         runner_engine.on_remove = batcher.retire_slots
         runner = JobRunner(settings, store, batcher, vad, metrics, blobs=blobs)
         st = AppState(settings=settings, metrics=metrics, store=store, spool_dir=spool,

@@ -14,6 +14,11 @@ Definitions (what the numbers mean):
   time is lost to throughput; without failures it equals ``batch_duration_seconds_sum``). Their
   rate ratio is the per-worker live real-time factor; ``rate(audio_processed)`` alone is the
   throughput in audio seconds per second.
+* Batches: with two stages (CPU, app/stages.py) a window goes through an encoder call and then a
+  decoder batch. ``batch_size_windows``, ``batches_total{outcome="ok"}`` and ``batch_fill_ratio``
+  count the batches that produce transcripts (decoder batches, or single-call ones), so each
+  window is counted once; ``batch_duration_seconds`` observes every engine call, encoder calls
+  included, so its ``_sum`` stays the engine's busy time.
 * ``job_rtf_ratio``: per finished job, decoded audio seconds / (claimed -> done) wall seconds,
   the same number the API reports as the job's ``rtf``; ``job_queue_wait_seconds`` is the API's
   ``queue_wait_s`` (accepted -> claimed); ``queue_wait_seconds`` is a window's wait in the batcher.
@@ -103,12 +108,15 @@ class Metrics:
             buckets=LATENCY_BUCKETS, registry=r,
         )
         self.batch_size = Histogram(
-            p + "batch_size_windows", "Windows per engine batch.", buckets=BATCH_SIZE_BUCKETS,
+            p + "batch_size_windows",
+            "Windows per batch that produced transcripts (decoder batches with two stages).",
+            buckets=BATCH_SIZE_BUCKETS,
             registry=r,
         )
         self.batches = Counter(p + "batches", "Engine batches run, by outcome.", ["outcome"], registry=r)
         self.batch_duration = Histogram(
-            p + "batch_duration_seconds", "Engine time per successful batch.",
+            p + "batch_duration_seconds",
+            "Engine time per successful engine call (with two stages, encoder and decoder calls).",
             buckets=BATCH_SECONDS_BUCKETS,
             registry=r,
         )

@@ -20,16 +20,17 @@ from __future__ import annotations
 import logging
 import os
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from app.config import Settings
 from app.device import cuda_device_count, is_oom, resolve_device
-from app.engine import DecodeOptions, Engine, EngineRunner, Window, WindowResult
+from app.engine import DecodeOptions, Encoded, Engine, EngineRunner, Window, WindowResult
 
 log = logging.getLogger(__name__)
 
+T = TypeVar("T")
 Utilisation = Callable[[int], float | None]  # engine index -> busy fraction 0..1, None: unknown
 
 
@@ -99,8 +100,24 @@ class EnginePool:
         # fall through to the cheaper, exact keys (our own windows in flight, then idle time).
         return (s.suspect, s.batches / s.workers, round(util or 0.0, 1), s.windows, s.last_start)
 
+    @property
+    def staged(self) -> bool:
+        """Every engine can run its encoder and decoder as separate calls (CPU)."""
+        return all(s.runner.staged for s in self.slots)
+
     async def run(self, windows: Sequence[Window], options: DecodeOptions) -> list[WindowResult]:
         """The batcher's ``run_batch``: place the batch, re-place it if its engine breaks."""
+        return await self._placed(len(windows), lambda r: r.run(windows, options))
+
+    async def encode(self, windows: Sequence[Window], options: DecodeOptions) -> list[Encoded]:
+        return await self._placed(len(windows), lambda r: r.encode(windows, options))
+
+    async def decode(self, windows: Sequence[Window], encoded: Sequence[Encoded],
+                     options: DecodeOptions) -> list[WindowResult]:
+        # Encoder outputs are host arrays (staged engines are CPU ones): any engine decodes them.
+        return await self._placed(len(windows), lambda r: r.decode(windows, encoded, options))
+
+    async def _placed(self, n_windows: int, call: Callable[[EngineRunner], Awaitable[T]]) -> T:
         tried: list[Slot] = []
         first: Exception | None = None
         while True:
@@ -113,12 +130,12 @@ class EnginePool:
                 raise NoEngineLeft("no engine left in rotation")
             tried.append(slot)
             try:
-                results = await self._run_on(slot, windows, options)
+                results = await self._run_on(slot, n_windows, call)
             except Exception as exc:
                 if is_oom(exc):
                     raise  # the batcher halves its cap and splits; no engine is to blame
                 log.warning("batch of %d windows failed on engine %s (%s: %s); re-placing it",
-                            len(windows), slot.name, type(exc).__name__, exc)
+                            n_windows, slot.name, type(exc).__name__, exc)
                 slot.suspect = True
                 first = first or exc
                 continue
@@ -126,16 +143,16 @@ class EnginePool:
                 self._remove(bad, first)
             return results
 
-    async def _run_on(self, slot: Slot, windows: Sequence[Window],
-                      options: DecodeOptions) -> list[WindowResult]:
+    async def _run_on(self, slot: Slot, n_windows: int,
+                      call: Callable[[EngineRunner], Awaitable[T]]) -> T:
         slot.batches += 1
-        slot.windows += len(windows)
+        slot.windows += n_windows
         slot.last_start = time.monotonic()
         try:
-            results = await slot.runner.run(windows, options)
+            results = await call(slot.runner)
         finally:
             slot.batches -= 1
-            slot.windows -= len(windows)
+            slot.windows -= n_windows
         slot.suspect = False
         slot.done += 1
         return results

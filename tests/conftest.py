@@ -15,7 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from app.config import ModelSettings, Settings
+from app.engine import WhisperEngine
 from loadtest.common import free_port
+from models.registry import resolve
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "corpus"))
@@ -122,3 +125,13 @@ def make_server(tmp_path: Path) -> Iterator[type[Server]]:
     yield Own
     for s in started:
         s.kill()
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[WhisperEngine]:
+    """The real engine in-process (one worker, two threads): for tests of the model seam."""
+    s = Settings()
+    eng = WhisperEngine(resolve(s.model.name, s.model.cache_dir, True),
+                        ModelSettings(num_workers=1, cpu_threads=2), s.model.name)
+    yield eng
+    eng.close()

@@ -7,7 +7,15 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from app.engine import SAMPLE_RATE, DecodeOptions, EngineInfo, Window, WindowResult, Word
+from app.engine import (
+    SAMPLE_RATE,
+    DecodeOptions,
+    Encoded,
+    EngineInfo,
+    Window,
+    WindowResult,
+    Word,
+)
 
 
 def tagged_window(tag: int, seconds: float = 2.0, start: float = 0.0) -> Window:
@@ -53,3 +61,50 @@ class FakeEngine:
 
     def close(self) -> None:
         pass
+
+
+class FakeStagedEngine(FakeEngine):
+    """A fake whose encoder and decoder run as separate calls (the CPU engine's two stages).
+
+    ``calls`` records ("encode" | "decode" | "run", tags) in order; a window's padded length is
+    its duration rounded up to 5 s, as the dynamic time axis's classes are.
+    """
+
+    staged = True
+
+    def __init__(self, workers: int = 1, fail: Callable[[str, Sequence[Window]], None] | None = None):
+        super().__init__(workers)
+        self.calls: list[tuple[str, list[int]]] = []
+        self.stage_fail = fail
+
+    def padded_samples(self, window: Window, options: DecodeOptions) -> int:
+        step = 5 * SAMPLE_RATE
+        return -(-len(window.audio) // step) * step
+
+    def _enter(self, stage: str, windows: Sequence[Window]) -> None:
+        self.entered.release()
+        self.gate.wait(60)
+        with self._lock:
+            self.calls.append((stage, [tag_of(w) for w in windows]))
+        if self.stage_fail:
+            self.stage_fail(stage, windows)
+
+    def encode(self, windows: Sequence[Window], options: DecodeOptions) -> list[Encoded]:
+        self._enter("encode", windows)
+        return [Encoded(self.padded_samples(w, options), np.array([tag_of(w)], np.float32),
+                        options.language or "en", None) for w in windows]
+
+    def decode(self, windows: Sequence[Window], encoded: Sequence[Encoded],
+               options: DecodeOptions) -> list[WindowResult]:
+        assert len({e.samples for e in encoded}) == 1, "a decoder batch mixes padded lengths"
+        assert [int(e.features[0]) for e in encoded] == [tag_of(w) for w in windows]
+        self._enter("decode", windows)
+        return [WindowResult(text=f"w{tag_of(w)}", language=e.language, language_probability=None,
+                             avg_logprob=-0.1, no_speech_prob=0.0, compression_ratio=1.0)
+                for w, e in zip(windows, encoded, strict=True)]
+
+    def transcribe_batch(self, windows: Sequence[Window], options: DecodeOptions) -> list[WindowResult]:
+        self._enter("run", windows)
+        return [WindowResult(text=f"w{tag_of(w)}", language=options.language or "en",
+                             language_probability=None, avg_logprob=-0.1, no_speech_prob=0.0,
+                             compression_ratio=1.0) for w in windows]

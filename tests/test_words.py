@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from typing import Any
@@ -14,10 +13,9 @@ from openai import OpenAI
 
 from app import audio
 from app.batcher import Batcher
-from app.config import BatcherSettings, ModelSettings, Settings
+from app.config import BatcherSettings
 from app.engine import N_SAMPLES, DecodeOptions, EngineRunner, WhisperEngine
 from app.metrics import Metrics
-from models.registry import resolve
 from tests.conftest import READ_SPEECH, Clip, Server
 from tests.fakes import FakeEngine, tagged_window
 from tests.wer import normalise
@@ -41,15 +39,6 @@ async def test_batches_never_mix_word_and_plain_windows() -> None:
         await b.stop(5)
     for opts, tags in fake.batches:
         assert {t // 10 for t in tags} == {kinds.index(opts)}
-
-
-@pytest.fixture(scope="module")
-def engine() -> Iterator[WhisperEngine]:
-    s = Settings()
-    eng = WhisperEngine(resolve(s.model.name, s.model.cache_dir, True),
-                        ModelSettings(num_workers=1, cpu_threads=2), s.model.name)
-    yield eng
-    eng.close()
 
 
 @pytest.mark.model

@@ -1,0 +1,223 @@
+"""The batcher's two stages (CPU): encoder calls as windows arrive, decoder batches per padded
+length gathered across calls. A fake staged engine records every call; no model, no timings."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable, Sequence
+
+import pytest
+
+from app import audio
+from app.batcher import Batcher
+from app.config import BatcherSettings
+from app.engine import DecodeOptions, Encoded, EngineRunner, WhisperEngine, Window
+from app.errors import ShuttingDown
+from app.metrics import Metrics
+from app.stages import Stages
+from tests.conftest import Clip
+from tests.fakes import FakeStagedEngine, tag_of, tagged_window
+
+EN = DecodeOptions(language="en")
+BOUND = 30  # seconds: a broken batcher fails the test instead of hanging it
+
+
+class Rig:
+    def __init__(self, fake: FakeStagedEngine, batcher: Batcher, metrics: Metrics) -> None:
+        self.fake, self.batcher, self.metrics = fake, batcher, metrics
+
+    async def hold(self, n: int = 1) -> None:
+        """Close the gate and wait until ``n`` engine calls are parked inside it."""
+        for _ in range(n):
+            await asyncio.to_thread(self.fake.entered.acquire, True, BOUND)
+
+    def calls(self, stage: str) -> list[list[int]]:
+        return [tags for s, tags in self.fake.calls if s == stage]
+
+
+@pytest.fixture
+async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
+    made: list[Rig] = []
+
+    def make(cap: int = 2, decode_cap: int = 16, workers: int = 1, decode_wait_ms: int = 60_000,
+             fail: Callable[[str, Sequence[Window]], None] | None = None) -> Rig:
+        fake = FakeStagedEngine(workers=workers, fail=fail)
+        runner = EngineRunner(fake)
+        settings = BatcherSettings(max_batch_size=cap, max_decode_batch_size=decode_cap,
+                                   max_wait_ms=10, max_decode_wait_ms=decode_wait_ms)
+        metrics = Metrics()
+        b = Batcher(runner.run, settings, workers, metrics,
+                    stages=Stages(runner.encode, runner.decode, fake.padded_samples))
+        b.start()
+        rig = Rig(fake, b, metrics)
+        made.append(rig)
+        return rig
+
+    yield make
+    for r in made:
+        r.fake.gate.set()
+        await r.batcher.stop(5)
+
+
+async def gather(futs: list[asyncio.Future]) -> list:
+    return await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), BOUND)
+
+
+async def test_decoder_batches_gather_windows_encoded_by_several_calls(rig_factory) -> None:
+    """Twelve short requests, two lengths, encoded two at a time: each length decodes as one
+    batch of six (a single-call batcher would have decoded pairs)."""
+    rig = rig_factory(cap=2)
+    rig.fake.gate.clear()
+    blocker = rig.batcher.submit("blocker", [tagged_window(999, 22)], EN)
+    await rig.hold()
+    futs = [f for i in range(12)
+            for f in rig.batcher.submit(f"j{i}", [tagged_window(i, 3 if i % 2 else 12)], EN)]
+    rig.fake.gate.set()
+    results = await gather([*blocker, *futs])
+    assert [r.text for r in results[1:]] == [f"w{i}" for i in range(12)]
+    assert all(len(tags) <= 2 for tags in rig.calls("encode"))
+    decodes = sorted(sorted(tags) for tags in rig.calls("decode"))
+    assert decodes == [[0, 2, 4, 6, 8, 10], [1, 3, 5, 7, 9, 11], [999]]
+    assert rig.calls("run") == []
+    # Metrics count a window once as a batch member: decoder batches are the batches.
+    assert rig.metrics.batch_size._sum.get() == 13
+    assert rig.batcher.pending() == 0
+
+
+async def test_decoder_batches_respect_their_own_cap(rig_factory) -> None:
+    rig = rig_factory(cap=4, decode_cap=3)
+    rig.fake.gate.clear()
+    blocker = rig.batcher.submit("blocker", [tagged_window(999, 22)], EN)
+    await rig.hold()
+    futs = [f for i in range(8) for f in rig.batcher.submit(f"j{i}", [tagged_window(i, 3)], EN)]
+    rig.fake.gate.set()
+    await gather([*blocker, *futs])
+    sizes = sorted(len(tags) for tags in rig.calls("decode"))
+    assert sizes == [1, 2, 3, 3]  # the blocker; eight windows in batches of at most three
+
+
+async def test_a_lone_request_is_decoded_right_after_its_encode(rig_factory) -> None:
+    rig = rig_factory(cap=2)
+    [res] = await gather(rig.batcher.submit("j", [tagged_window(5, 4)], EN))
+    assert res.text == "w5"
+    assert rig.fake.calls == [("encode", [5]), ("decode", [5])]
+
+
+async def test_a_long_upload_runs_both_stages_in_one_call(rig_factory) -> None:
+    """An upload with more windows than a quarter of the cap fills batches by itself: it skips
+    the pool, so a short request beside it is not held behind its decodes."""
+    rig = rig_factory(cap=8, workers=2)
+    rig.fake.gate.clear()
+    long_futs = rig.batcher.submit("long", [tagged_window(100 + i, 30) for i in range(12)], EN)
+    await rig.hold(2)
+    short = rig.batcher.submit("short", [tagged_window(7, 4)], EN)
+    rig.fake.gate.set()
+    results = await gather([*long_futs, *short])
+    assert all(not isinstance(r, BaseException) for r in results)
+    assert sorted(t for tags in rig.calls("run") for t in tags) == list(range(100, 112))
+    stages = [(s, tags) for s, tags in rig.fake.calls if 7 in tags]
+    assert stages == [("encode", [7]), ("decode", [7])]  # alone with its length: no wait
+
+
+@pytest.mark.parametrize("decode_wait_ms", [0, 60_000])
+async def test_an_encoded_window_waits_for_company_at_most_its_deadline(rig_factory,
+                                                                         decode_wait_ms) -> None:
+    """While other short requests are queued, an encoded window waits to be decoded with
+    windows of its length, until max_decode_wait_ms (or until nothing else is left to do)."""
+    rig = rig_factory(cap=1, decode_wait_ms=decode_wait_ms)
+    rig.fake.gate.clear()
+    first = rig.batcher.submit("a", [tagged_window(1, 3)], EN)
+    await rig.hold()
+    others = [f for i in range(2, 5) for f in rig.batcher.submit(f"j{i}", [tagged_window(i, 12)], EN)]
+    rig.fake.gate.set()
+    results = await gather([*first, *others])
+    assert [r.text for r in results] == ["w1", "w2", "w3", "w4"]
+    order = rig.fake.calls
+    decoded_1, encoded_4 = order.index(("decode", [1])), order.index(("encode", [4]))
+    if decode_wait_ms == 0:
+        assert decoded_1 < encoded_4  # due at once: decoded before the queue was worked off
+    else:
+        assert decoded_1 > encoded_4  # kept for company until the workers had nothing else
+
+
+async def test_cancelled_while_encoded_is_never_decoded(rig_factory) -> None:
+    rig = rig_factory(cap=4)
+    loop = asyncio.get_running_loop()
+    gone: list[asyncio.Future] = []
+
+    def cancel_during_encode(stage: str, windows: Sequence[Window]) -> None:
+        if stage == "encode" and any(tag_of(w) == 50 for w in windows):
+            loop.call_soon_threadsafe(gone[0].cancel)  # runs before the encode's result lands
+
+    rig.fake.stage_fail = cancel_during_encode
+    rig.fake.gate.clear()
+    blocker = rig.batcher.submit("blocker", [tagged_window(999, 22)], EN)
+    await rig.hold()
+    gone += rig.batcher.submit("gone", [tagged_window(50, 3)], EN)
+    kept = [f for i in range(3) for f in rig.batcher.submit(f"k{i}", [tagged_window(i, 3)], EN)]
+    rig.fake.gate.set()
+    results = await gather([*blocker, *kept])
+    assert [r.text for r in results] == ["w999", "w0", "w1", "w2"]
+    assert any(50 in tags for tags in rig.calls("encode"))
+    assert not any(50 in tags for tags in rig.calls("decode"))
+    assert rig.batcher.pending() == 0
+
+
+async def test_stop_fails_encoded_and_queued_windows_with_shutting_down(rig_factory) -> None:
+    rig = rig_factory(cap=4)
+    rig.fake.gate.clear()
+    encoding = rig.batcher.submit("blocker", [tagged_window(999, 22)], EN)
+    await rig.hold()
+    queued = [f for i in range(3) for f in rig.batcher.submit(f"j{i}", [tagged_window(i, 3)], EN)]
+    stop = asyncio.create_task(rig.batcher.stop(grace_s=BOUND))
+    await asyncio.sleep(0)
+    rig.fake.gate.set()  # the encode in flight finishes within the grace; nothing is decoded
+    await asyncio.wait_for(stop, BOUND)
+    results = await gather([*encoding, *queued])
+    assert all(isinstance(r, ShuttingDown) for r in results)
+    assert rig.calls("encode") == [[999]] and rig.calls("decode") == []
+    assert rig.batcher.pending() == 0
+
+
+async def test_decoder_oom_splits_the_decoder_batch(rig_factory) -> None:
+    def oom(stage: str, windows: Sequence[Window]) -> None:
+        if stage == "decode" and len(windows) > 2:
+            raise RuntimeError("CUDA failed with error out of memory")
+
+    rig = rig_factory(cap=4, decode_cap=8, fail=oom)
+    rig.fake.gate.clear()
+    blocker = rig.batcher.submit("blocker", [tagged_window(999, 22)], EN)
+    await rig.hold()
+    futs = [f for i in range(4) for f in rig.batcher.submit(f"j{i}", [tagged_window(i, 3)], EN)]
+    rig.fake.gate.set()
+    results = await gather([*blocker, *futs])
+    assert [r.text for r in results[1:]] == ["w0", "w1", "w2", "w3"]  # nothing lost
+    assert rig.metrics.oom_events._value.get() == 1
+    assert sorted(len(t) for t in rig.calls("decode")) == [1, 2, 2, 4]
+
+
+@pytest.mark.model
+@pytest.mark.parametrize("language", ["en", None])
+def test_real_engine_two_stages_give_the_single_call_transcripts(
+        engine: WhisperEngine, clips: list[Clip], language: str | None) -> None:
+    """Windows encoded two at a time in arrival order, then decoded per padded length across
+    those calls, come out exactly as each window transcribed alone (language detected or not)."""
+    vad = audio.SileroVad()
+    picked = sorted(clips, key=lambda c: c.id)[::7][:8]
+    windows = [w for c in picked for w in audio.prepare(c.path, vad, 3600)[1]]
+    opts = DecodeOptions(language=language)
+    alone = [engine.transcribe_batch([w], opts)[0] for w in windows]
+    encoded: list[Encoded] = []
+    for k in range(0, len(windows), 2):
+        encoded += engine.encode(windows[k:k + 2], opts)
+    groups: dict[int, list[int]] = {}
+    for k, e in enumerate(encoded):
+        groups.setdefault(e.samples, []).append(k)
+    assert max(map(len, groups.values())) >= 3  # decoder batches across encoder calls
+    assert len(groups) >= (2 if language else 1)  # detection encodes at 30 s: one length
+    staged: dict[int, str] = {}
+    for idx in groups.values():
+        out = engine.decode([windows[k] for k in idx], [encoded[k] for k in idx], opts)
+        staged.update({k: r.text for k, r in zip(idx, out, strict=True)})
+    assert [staged[k] for k in range(len(windows))] == [r.text for r in alone]
+    assert [e.language for e in encoded] == [r.language for r in alone]
