@@ -108,7 +108,12 @@ class Batcher:
         self._task = asyncio.create_task(self._loop(), name="batcher")
 
     async def stop(self, grace_s: float) -> None:
-        """Stop forming batches, let batches in flight finish (up to ``grace_s``), fail the rest."""
+        """Stop forming batches, let batches in flight finish (up to ``grace_s``), fail the rest.
+
+        Windows already encoded are decoded within the grace too: the encoder was most of their
+        cost, and their jobs may need nothing else to finish."""
+        loop = asyncio.get_running_loop()
+        end = loop.time() + grace_s
         self._stopping = True
         for t in self._retiring:
             t.cancel()
@@ -117,6 +122,15 @@ class Batcher:
             await asyncio.gather(self._task, return_exceptions=True)
         if self._running:
             await asyncio.wait(self._running, timeout=grace_s)
+        while self._pool.groups and loop.time() < end:
+            key = next(iter(self._pool.groups))
+            batch = Batch("decode", key[0], self._pool.take(key, self.limit("decode")))
+            self._in_flight += len(batch.items)
+            task = asyncio.create_task(self._run(batch))
+            await asyncio.wait({task}, timeout=max(0.0, end - loop.time()))
+            if not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
         for item in [*(i for g in self._groups.values() for i in g), *self._pool.drain()]:
             _fail(item, ShuttingDown("service stopping; the job stays queued"))
         self._groups.clear()
