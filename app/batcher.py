@@ -132,7 +132,7 @@ class Batcher:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
         for item in [*(i for g in self._groups.values() for i in g), *self._pool.drain()]:
-            _fail(item, ShuttingDown("service stopping; the job stays queued"))
+            item.fail(ShuttingDown("service stopping; the job stays queued"))
         self._groups.clear()
 
     # ---- the owner loop ----------------------------------------------------------------------
@@ -322,7 +322,7 @@ class Batcher:
             await self._execute(batch.stage, batch.options, items)
         except BaseException as exc:  # never leave a caller hanging, whatever happened
             for i in items:
-                _fail(i, exc if isinstance(exc, Exception) else ShuttingDown("cancelled"))
+                i.fail(exc if isinstance(exc, Exception) else ShuttingDown("cancelled"))
             if not isinstance(exc, Exception):
                 raise
         finally:
@@ -387,7 +387,7 @@ class Batcher:
             log.warning("engine OOM on %d windows; cap now %d", len(items), self.cap)
         if len(items) == 1:
             log.error("window of job %s failed: %s", items[0].job_id, exc)
-            _fail(items[0], TranscriptionFailed(
+            items[0].fail(TranscriptionFailed(
                 f"inference failed for the window at {items[0].window.start:.1f}s: {exc}",
                 cause="out_of_memory" if is_oom(exc) else type(exc).__name__,
             ))
@@ -398,8 +398,3 @@ class Batcher:
 
     def _update_gauges(self) -> None:
         self._metrics.pending_windows.set(self.pending())
-
-
-def _fail(item: Item, exc: BaseException) -> None:
-    if not item.future.done():
-        item.future.set_exception(exc)

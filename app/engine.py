@@ -2,20 +2,18 @@
 
 The engine owns the resident Whisper model (whisperx's batched ``WhisperModel`` on CTranslate2).
 It is created in the app's lifespan, never at import, and its ``transcribe_batch`` is only ever
-called on the engine's own dedicated threads (see :class:`EngineRunner`): CTranslate2 runs
+called on the engine's own dedicated threads (see :class:`app.placement.EngineRunner`): CTranslate2 runs
 ``num_workers`` batches concurrently, one per thread, and the event loop never blocks on it.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 import zlib
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol, cast
+from typing import Any, Literal, Protocol
 
 import numpy as np
 
@@ -386,35 +384,3 @@ def _cpu_count() -> int:
     import os
 
     return max(1, len(os.sched_getaffinity(0)))
-
-
-class EngineRunner:
-    """Runs the engine's calls on its dedicated threads, one batch per thread."""
-
-    def __init__(self, engine: Engine) -> None:
-        self.engine = engine
-        self.workers = max(1, engine.info.num_workers)
-        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="engine")
-
-    @property
-    def staged(self) -> bool:
-        return bool(getattr(self.engine, "staged", False))
-
-    async def run(self, windows: Sequence[Window], options: DecodeOptions) -> list[WindowResult]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.engine.transcribe_batch, windows, options)
-
-    async def encode(self, windows: Sequence[Window], options: DecodeOptions) -> list[Encoded]:
-        loop = asyncio.get_running_loop()
-        engine = cast(StagedEngine, self.engine)
-        return await loop.run_in_executor(self._pool, engine.encode, windows, options)
-
-    async def decode(self, windows: Sequence[Window], encoded: Sequence[Encoded],
-                     options: DecodeOptions) -> list[WindowResult]:
-        loop = asyncio.get_running_loop()
-        engine = cast(StagedEngine, self.engine)
-        return await loop.run_in_executor(self._pool, engine.decode, windows, encoded, options)
-
-    def close(self) -> None:
-        self._pool.shutdown(wait=True, cancel_futures=True)
-        self.engine.close()

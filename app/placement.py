@@ -17,16 +17,18 @@ this way; when none is left (none loaded), a batch fails with :class:`NoEngineLe
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from app.config import Settings
 from app.device import cuda_device_count, is_oom, resolve_device
-from app.engine import DecodeOptions, Encoded, Engine, EngineRunner, Window, WindowResult
+from app.engine import DecodeOptions, Encoded, Engine, StagedEngine, Window, WindowResult
 
 log = logging.getLogger(__name__)
 
@@ -172,6 +174,38 @@ class EnginePool:
             s.runner.close()
 
 
+class EngineRunner:
+    """Runs the engine's calls on its dedicated threads, one batch per thread."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.workers = max(1, engine.info.num_workers)
+        self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="engine")
+
+    @property
+    def staged(self) -> bool:
+        return bool(getattr(self.engine, "staged", False))
+
+    async def run(self, windows: Sequence[Window], options: DecodeOptions) -> list[WindowResult]:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, self.engine.transcribe_batch, windows, options)
+
+    async def encode(self, windows: Sequence[Window], options: DecodeOptions) -> list[Encoded]:
+        loop = asyncio.get_running_loop()
+        engine = cast(StagedEngine, self.engine)
+        return await loop.run_in_executor(self._pool, engine.encode, windows, options)
+
+    async def decode(self, windows: Sequence[Window], encoded: Sequence[Encoded],
+                     options: DecodeOptions) -> list[WindowResult]:
+        loop = asyncio.get_running_loop()
+        engine = cast(StagedEngine, self.engine)
+        return await loop.run_in_executor(self._pool, engine.decode, windows, encoded, options)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        self.engine.close()
+
+
 # ---- building the engines ---------------------------------------------------------------------
 def engine_count(settings: Settings) -> int:
     """``model.engines``, or one per visible GPU (0), or one on CPU."""
@@ -243,4 +277,5 @@ def make_pool(engines: Sequence[Engine]) -> EnginePool:
     return EnginePool(runners, util)
 
 
-__all__ = ["EnginePool", "NoEngineLeft", "Slot", "engine_count", "load_engines", "make_pool"]
+__all__ = ["EnginePool", "EngineRunner", "NoEngineLeft", "Slot", "engine_count", "load_engines",
+           "make_pool"]

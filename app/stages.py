@@ -50,6 +50,10 @@ class Item:
     encoded: Encoded | None = None
     pooled: float = 0.0  # when it was encoded
 
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
 
 @dataclass(eq=False)
 class Batch:

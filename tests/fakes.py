@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import numpy as np
 
@@ -16,6 +18,28 @@ from app.engine import (
     WindowResult,
     Word,
 )
+
+BOUND = 30  # seconds: a bound on waits so a broken batcher fails the test instead of hanging it
+
+
+async def gather(futs: list[asyncio.Future]) -> list:
+    return await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), BOUND)
+
+
+class Started:
+    """Batchers a test started, stopped at teardown with their fakes' gates open."""
+
+    def __init__(self) -> None:
+        self._made: list[tuple[FakeEngine, Any]] = []
+
+    def add(self, fake: FakeEngine, batcher: Any) -> None:
+        batcher.start()
+        self._made.append((fake, batcher))
+
+    async def stop(self) -> None:
+        for fake, batcher in self._made:
+            fake.gate.set()
+            await batcher.stop(5)
 
 
 def tagged_window(tag: int, seconds: float = 2.0, start: float = 0.0) -> Window:

@@ -9,13 +9,13 @@ import pytest
 
 from app.batcher import Batcher
 from app.config import BatcherSettings
-from app.engine import DecodeOptions, EngineRunner, Window
+from app.engine import DecodeOptions, Window
 from app.errors import ShuttingDown, TranscriptionFailed
 from app.metrics import Metrics
-from tests.fakes import FakeEngine, tag_of, tagged_window
+from app.placement import EngineRunner
+from tests.fakes import BOUND, FakeEngine, Started, gather, tag_of, tagged_window
 
 EN = DecodeOptions(language="en")
-BOUND = 30  # seconds: a bound on waits so a broken batcher fails the test instead of hanging
 
 
 class Rig:
@@ -38,7 +38,7 @@ class Rig:
 
 @pytest.fixture
 async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
-    made: list[Rig] = []
+    started = Started()
 
     def make(cap: int = 4, wait_ms: int = 20, workers: int = 1, regrow_after: int = 8,
              fail: Callable[[Sequence[Window]], None] | None = None) -> Rig:
@@ -46,19 +46,11 @@ async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
         metrics = Metrics()
         settings = BatcherSettings(max_batch_size=cap, max_wait_ms=wait_ms, regrow_after=regrow_after)
         b = Batcher(EngineRunner(fake).run, settings, workers, metrics)
-        b.start()
-        rig = Rig(fake, b, metrics)
-        made.append(rig)
-        return rig
+        started.add(fake, b)
+        return Rig(fake, b, metrics)
 
     yield make
-    for r in made:
-        r.fake.gate.set()
-        await r.batcher.stop(5)
-
-
-async def gather(futs: list[asyncio.Future]) -> list:
-    return await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), BOUND)
+    await started.stop()
 
 
 async def test_lone_window_leaves_after_max_wait(rig_factory: Callable[..., Rig]) -> None:

@@ -14,10 +14,10 @@ import pytest
 
 from app.batcher import Batcher
 from app.config import BatcherSettings, Settings
-from app.engine import DecodeOptions, EngineRunner, Window
+from app.engine import DecodeOptions, Window
 from app.errors import TranscriptionFailed
 from app.metrics import Metrics
-from app.placement import EnginePool, NoEngineLeft, engine_count, load_engines
+from app.placement import EnginePool, EngineRunner, NoEngineLeft, engine_count, load_engines
 from tests.fakes import FakeEngine, tag_of, tagged_window
 
 EN = DecodeOptions(language="en")

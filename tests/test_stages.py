@@ -11,15 +11,15 @@ import pytest
 from app import audio
 from app.batcher import Batcher
 from app.config import BatcherSettings
-from app.engine import DecodeOptions, Encoded, EngineRunner, WhisperEngine, Window
+from app.engine import DecodeOptions, Encoded, WhisperEngine, Window
 from app.errors import ShuttingDown
 from app.metrics import Metrics
+from app.placement import EngineRunner
 from app.stages import Stages
 from tests.conftest import Clip
-from tests.fakes import FakeStagedEngine, tag_of, tagged_window
+from tests.fakes import BOUND, FakeStagedEngine, Started, gather, tag_of, tagged_window
 
 EN = DecodeOptions(language="en")
-BOUND = 30  # seconds: a broken batcher fails the test instead of hanging it
 
 
 class Rig:
@@ -37,7 +37,7 @@ class Rig:
 
 @pytest.fixture
 async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
-    made: list[Rig] = []
+    started = Started()
 
     def make(cap: int = 2, decode_cap: int = 16, workers: int = 1, decode_wait_ms: int = 60_000,
              fail: Callable[[str, Sequence[Window]], None] | None = None) -> Rig:
@@ -48,19 +48,11 @@ async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
         metrics = Metrics()
         b = Batcher(runner.run, settings, workers, metrics,
                     stages=Stages(runner.encode, runner.decode, fake.padded_samples))
-        b.start()
-        rig = Rig(fake, b, metrics)
-        made.append(rig)
-        return rig
+        started.add(fake, b)
+        return Rig(fake, b, metrics)
 
     yield make
-    for r in made:
-        r.fake.gate.set()
-        await r.batcher.stop(5)
-
-
-async def gather(futs: list[asyncio.Future]) -> list:
-    return await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), BOUND)
+    await started.stop()
 
 
 async def test_decoder_batches_gather_windows_encoded_by_several_calls(rig_factory) -> None:

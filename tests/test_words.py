@@ -14,8 +14,9 @@ from openai import OpenAI
 from app import audio
 from app.batcher import Batcher
 from app.config import BatcherSettings
-from app.engine import N_SAMPLES, DecodeOptions, EngineRunner, WhisperEngine
+from app.engine import N_SAMPLES, DecodeOptions, WhisperEngine
 from app.metrics import Metrics
+from app.placement import EngineRunner
 from tests.conftest import READ_SPEECH, Clip, Server
 from tests.fakes import FakeEngine, tagged_window
 from tests.wer import normalise
