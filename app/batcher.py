@@ -109,9 +109,8 @@ class Batcher:
 
     async def stop(self, grace_s: float) -> None:
         """Stop forming batches, let batches in flight finish (up to ``grace_s``), fail the rest.
-
-        Windows already encoded are decoded within the grace too: the encoder was most of their
-        cost, and their jobs may need nothing else to finish."""
+        Windows already encoded are decoded within the grace too (the encoder was most of their
+        cost)."""
         loop = asyncio.get_running_loop()
         end = loop.time() + grace_s
         self._stopping = True
@@ -195,7 +194,7 @@ class Batcher:
         items = self._take(self._groups[key])
         # A long upload's windows fill decoder batches by themselves: they run both stages in
         # one call and stay out of the pool, which is for short requests arriving over time.
-        small = max(1, self.cap // 4)
+        small = self.small_batch
         staged = self._stages is not None and any(i.job_windows <= small for i in items)
         batch = Batch("encode" if staged else "run", key, items)
         if staged:
@@ -207,7 +206,7 @@ class Batcher:
                      ) -> tuple[Batch | None, float | None]:
         """An encoded group to decode, if one is ready (see app/stages.py). A group of only long
         uploads' windows, on the last free worker, decodes a small batch, as in _take."""
-        small = max(1, self.cap // 4)
+        small = self.small_batch
         limit = self.limit("decode")
         key, deadline = self._pool.select(
             now, wait_s=self.settings.max_decode_wait_ms / 1000, limit=limit, small=small,
@@ -224,6 +223,10 @@ class Batcher:
             self._small.add(id(items))
         self._update_gauges()
         return Batch("decode", key[0], items), None
+
+    @property
+    def small_batch(self) -> int:  # beside a long upload; also the most windows of a short job
+        return max(1, self.cap // 4)
 
     def limit(self, stage: Stage = "run") -> int:
         """Windows the next batch may take: the (OOM-adjusted) cap, within the memory budget.
@@ -254,7 +257,7 @@ class Batcher:
             ranked.append((r, abs(self._size_class(i.window) - seed_class), i.enqueued, i))
         ranked.sort(key=lambda t: t[:3])
         limit = self.limit()
-        small = max(1, self.cap // 4)
+        small = self.small_batch
         if self._running:
             # Keep new requests responsive beside a long upload. Windows of jobs with nothing
             # running yet (a short request that just arrived) go in a batch of their own, not

@@ -85,10 +85,10 @@ class Encoded:
     """A window between the two stages: its encoder output, waiting for a decoder batch.
 
     On CPU the encoder costs the same per window at any batch size, while the decoder's cost per
-    window falls steeply with the batch (base, 15 s class, 1 thread: 85 ms alone, 43 ms in 4,
-    32 ms in 16). Encoding as windows arrive and decoding one padded length at a time lets the
-    decoder batch windows that arrived in different engine calls. Batch composition never
-    changes a transcript, so neither does this.
+    window falls steeply with the batch (``python -m loadtest.stages`` measures both;
+    ``loadtest/results/stages.json``). Encoding as windows arrive and decoding one padded length
+    at a time lets the decoder batch windows that arrived in different engine calls. Batch
+    composition never changes a transcript, so neither does this.
     """
 
     samples: int  # the padded length the encoder saw: windows decode together only if equal
