@@ -95,8 +95,12 @@ class JobRunner:
         deadline = loop.time() + grace_s
         self._stopping = True
         log.info("draining", extra={"active_jobs": len(self.active), "grace_s": grace_s})
+        # The claim loop is told to stop, never cancelled: a cancel landing while its claim
+        # commits would leave jobs "running" with no task behind them. Maintenance can be.
+        self._wake.set()
         for t in self._tasks:
-            t.cancel()
+            if t.get_name() != "claim":
+                t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
         # Jobs still waiting to be decoded are released at once, not decoded one by one only to
         # be refused by the stopping batcher (with 64 claimed jobs that ate the whole grace).
@@ -111,6 +115,14 @@ class JobRunner:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        # No job runs in this process any more: whatever the store still shows as ours (a
+        # release that failed, a task cancelled before it began) goes back to the queue now
+        # rather than when its lease expires.
+        try:
+            if n := await self.store.requeue_stale(self.replica):
+                log.warning("requeued %d job(s) left running at shutdown", n)
+        except Exception:
+            log.exception("could not requeue this replica's jobs; their leases will expire")
         self._stopped = True
         log.info("drained", extra={"seconds": round(grace_s - (deadline - loop.time()), 2)})
         for ev in self._done_events.values():
@@ -216,7 +228,7 @@ class JobRunner:
     # ---- claiming ----------------------------------------------------------------------------
     async def _claim_loop(self) -> None:
         cap = self.settings.storage.max_active_jobs
-        while True:
+        while not self._stopping:
             self._wake.clear()
             free = cap - len(self.active)
             for job in await self.store.claim(self.replica, free, self.lease_s):
@@ -290,14 +302,9 @@ class JobRunner:
 
     async def _process(self, job: JobRow) -> None:
         loop = asyncio.get_running_loop()
-        lim = self.settings.limits
-        path = await loop.run_in_executor(self._prep, self.blobs.fetch, job.upload_path)
-        try:
-            samples, windows = await loop.run_in_executor(
-                self._prep, audio.prepare, path, self.vad, lim.max_audio_s
-            )
-        finally:
-            self.blobs.release(path)
+        if self._stopping:  # the prep pool is shut down: refuse here, not with a RuntimeError
+            raise ShuttingDown("service stopping; the job stays queued")
+        samples, windows = await loop.run_in_executor(self._prep, self._prepare, job.upload_path)
         active = self.active[job.id]
         active.windows_total = len(windows)
         job.audio_seconds = round(len(samples) / SAMPLE_RATE, 3)  # decoded truth, not the header
@@ -311,6 +318,14 @@ class JobRunner:
             opts = replace(opts, language=results[0].language)
         results += await self._transcribe(job, windows[len(results):], opts, active)
         await self._complete(job, windows, results, opts)
+
+    def _prepare(self, key: str) -> tuple[Any, list[Window]]:
+        """Fetch, decode and cut one upload: one prep-pool call, so a stop cannot fall between."""
+        path = self.blobs.fetch(key)
+        try:
+            return audio.prepare(path, self.vad, self.settings.limits.max_audio_s)
+        finally:
+            self.blobs.release(path)
 
     async def _transcribe(self, job: JobRow, windows: list[Window], opts: DecodeOptions,
                           active: Active) -> list[WindowResult]:

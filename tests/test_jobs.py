@@ -1,0 +1,147 @@
+"""The job runner's graceful stop, in process: a stop at an awkward moment never leaves a job
+"running" with nothing behind it, nor fails it. Fake engine and VAD; a real SQLite store."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+import threading
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app.batcher import Batcher
+from app.blobs import LocalBlobs
+from app.config import Settings, StorageSettings
+from app.engine import DecodeOptions
+from app.jobs import JobRunner
+from app.metrics import Metrics
+from app.placement import EngineRunner
+from app.store import JobRow, JobStore
+from tests.conftest import Clip
+from tests.fakes import BOUND, FakeEngine
+
+EN = DecodeOptions(language="en")
+
+
+class WholeClip:
+    """A VAD that calls the whole clip speech: the windows do not matter here."""
+
+    def speech(self, audio: np.ndarray) -> list[tuple[float, float]]:
+        return [(0.0, len(audio) / 16000)]
+
+
+class StallingStore(JobStore):
+    """Commits a claim, then stalls before handing the rows back: where a stop used to land
+    and leave the claimed jobs "running" with no task to finish or release them."""
+
+    def __init__(self, url: str) -> None:
+        super().__init__(url)
+        self.claimed, self.proceed = asyncio.Event(), asyncio.Event()
+
+    async def claim(self, replica: str, limit: int, lease_s: float) -> list[JobRow]:
+        rows = await super().claim(replica, limit, lease_s)
+        if rows:
+            self.claimed.set()
+            await self.proceed.wait()
+        return rows
+
+
+class GatedBlobs(LocalBlobs):
+    """Holds a fetch (in the prep thread) until the test lets it go."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.entered, self.gate = threading.Event(), threading.Event()
+
+    def fetch(self, key: str) -> Path:
+        self.entered.set()
+        self.gate.wait(BOUND)
+        return super().fetch(key)
+
+
+class SignallingBatcher(Batcher):
+    """Says when the runner has got as far as stopping the batcher (its prep pool is shut)."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.stopping = asyncio.Event()
+
+    async def stop(self, grace_s: float) -> None:
+        self.stopping.set()
+        await super().stop(grace_s)
+
+
+class Rig:
+    def __init__(self, tmp: Path, store: JobStore, blobs: LocalBlobs) -> None:
+        self.tmp, self.store, self.blobs = tmp, store, blobs
+        settings = Settings(storage=StorageSettings(data_dir=tmp))
+        self.batcher = SignallingBatcher(EngineRunner(FakeEngine()).run, settings.batcher, 1, Metrics())
+        self.runner = JobRunner(settings, store, self.batcher, WholeClip(), Metrics(), blobs=blobs)
+
+    async def submit(self, job_id: str, clip: Clip) -> None:
+        upload = self.tmp / job_id
+        shutil.copy(clip.path, upload)
+        await self.runner.submit(job_id, upload, clip.path.name, EN, clip.duration_s, None)
+
+    async def status(self, job_id: str) -> str:
+        row = await self.store.get(job_id)
+        assert row is not None
+        return row.status
+
+
+@pytest.fixture
+async def rig_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Rig]]]:
+    rigs: list[Rig] = []
+
+    async def make(store_cls: type[JobStore] = JobStore,
+                   blobs_cls: type[LocalBlobs] = LocalBlobs) -> Rig:
+        store = store_cls(f"sqlite+aiosqlite:///{tmp_path / 'jobs.db'}")
+        await store.init()
+        r = Rig(tmp_path, store, blobs_cls(tmp_path / "uploads"))
+        rigs.append(r)
+        r.batcher.start()
+        await r.runner.start()
+        return r
+
+    yield make
+    for r in rigs:
+        if isinstance(r.blobs, GatedBlobs):
+            r.blobs.gate.set()
+        if not r.runner.stopped:
+            await r.runner.stop(1.0)
+        await r.store.close()
+
+
+async def test_stop_while_a_claim_commits_leaves_the_job_queued(
+        rig_factory: Callable[..., Awaitable[Rig]], clips: list[Clip]) -> None:
+    rig = await rig_factory(StallingStore)
+    store = rig.store
+    assert isinstance(store, StallingStore)
+    await rig.submit("j1", clips[0])
+    await asyncio.wait_for(store.claimed.wait(), BOUND)
+    assert await rig.status("j1") == "running"  # committed; the claim has not returned yet
+    stopping = asyncio.create_task(rig.runner.stop(5.0))
+    await asyncio.sleep(0)  # the stop begins while the claim is parked
+    store.proceed.set()
+    await asyncio.wait_for(stopping, BOUND)
+    assert await rig.status("j1") == "queued"
+
+
+async def test_stop_during_prep_leaves_the_job_queued(
+        rig_factory: Callable[..., Awaitable[Rig]], clips: list[Clip]) -> None:
+    """The prep pool shuts down while a job's upload is being fetched: the job must come back
+    queued, not fail because its next step found the pool closed."""
+    rig = await rig_factory(blobs_cls=GatedBlobs)
+    blobs = rig.blobs
+    assert isinstance(blobs, GatedBlobs)
+    await rig.submit("j1", clips[0])
+    assert await asyncio.to_thread(blobs.entered.wait, BOUND)
+    stopping = asyncio.create_task(rig.runner.stop(5.0))
+    await asyncio.wait_for(rig.batcher.stopping.wait(), BOUND)
+    blobs.gate.set()
+    await asyncio.wait_for(stopping, BOUND)
+    assert await rig.status("j1") == "queued"
