@@ -1,0 +1,42 @@
+"""WAV uploads are opened with a small FFmpeg probe (app.audio._open): it must never change what
+is decoded or probed. Every corpus WAV, and WAVs of every sample width, stereo and a streaming
+writer's 4 GiB header, decode to the same samples and probe to the same facts as with FFmpeg's
+default probe."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app import audio
+from tests.conftest import Clip
+from tests.test_bad_input import huge_header_wav, load, wav
+
+
+def variants(clips: list[Clip], tmp: Path) -> list[Path]:
+    files = [Path(c.path) for c in clips if Path(c.path).read_bytes()[8:12] == b"WAVE"]
+    speech = load(Path(clips[0].path), 22050)
+    made = {
+        "u8.wav": wav(speech, 22050, 1), "s24.wav": wav(speech, 22050, 3),
+        "s32.wav": wav(speech, 22050, 4), "stereo.wav": wav(np.hstack([speech, speech]), 22050),
+        "huge-header.wav": huge_header_wav(load(Path(clips[0].path), 16000)),
+    }
+    for name, data in made.items():
+        (tmp / name).write_bytes(data)
+        files.append(tmp / name)
+    return files
+
+
+def test_small_wav_probe_changes_nothing(clips: list[Clip], tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    files = variants(clips, tmp_path)
+    assert len(files) > 10
+    small = [(audio.probe(f, 3600), audio.decode(f, 3600)) for f in files]
+    monkeypatch.setattr(audio, "SMALL_PROBE", {})  # FFmpeg's default probe
+    default = [(audio.probe(f, 3600), audio.decode(f, 3600)) for f in files]
+    for f, (p1, a1), (p2, a2) in zip(files, small, default, strict=True):
+        assert p1 == p2, f
+        assert np.array_equal(a1, a2), f
+        assert a1.size > 0, f
