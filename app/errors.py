@@ -17,6 +17,15 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 log = logging.getLogger(__name__)
 
+OPENAI_PREFIX = "/v1/"
+OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
+
+
+def openai_body(status: int, message: str, *, code: str | None = None,
+                param: str | None = None) -> dict[str, Any]:
+    etype = OPENAI_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
+    return {"error": {"message": message, "type": etype, "param": param, "code": code}}
+
 
 class ServiceError(Exception):
     """Base: an error with a status code, a machine-readable type and details for the client."""
@@ -32,6 +41,15 @@ class ServiceError(Exception):
 
     def body(self) -> dict[str, Any]:
         return {"error": {"type": self.error_type, "message": self.message, **self.details}}
+
+    def body_for(self, path: str) -> dict[str, Any]:
+        """:meth:`body`, or OpenAI's shape under ``/v1/`` (what its SDKs parse): also for the
+        errors middleware answers before any route runs (401, 413)."""
+        if not path.startswith(OPENAI_PREFIX):
+            return self.body()
+        field = self.details.get("field")
+        return openai_body(self.status_code, self.message, code=self.error_type,
+                           param=str(field) if field else None)
 
 
 class BadRequest(ServiceError):

@@ -98,14 +98,14 @@ class ApiKeyMiddleware:
         token = bearer_token(scope)
         owner = self.keys.owner(token) if token else None
         if owner is None:
-            await self._deny(send, invalid=token is not None)
+            await self._deny(send, scope["path"], invalid=token is not None)
             return
         # Starlette's request.state is a view of scope["state"] (uvicorn fills it per request).
         scope.setdefault("state", {})["owner"] = owner
         await self.app(scope, receive, send)
 
     @staticmethod
-    async def _deny(send: Send, invalid: bool) -> None:
+    async def _deny(send: Send, path: str, invalid: bool) -> None:
         if invalid:
             err = Unauthorized("the API key is not valid", scheme="Bearer")
             challenge = f'Bearer realm="{REALM}", error="invalid_token"'
@@ -113,7 +113,7 @@ class ApiKeyMiddleware:
             err = Unauthorized("an API key is required: send 'Authorization: Bearer <key>'",
                                scheme="Bearer")
             challenge = f'Bearer realm="{REALM}"'
-        body = json.dumps(err.body()).encode()
+        body = json.dumps(err.body_for(path)).encode()
         await send({"type": "http.response.start", "status": err.status_code, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
             (b"www-authenticate", challenge.encode()),

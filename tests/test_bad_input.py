@@ -19,6 +19,7 @@ import httpx
 import jiwer
 import numpy as np
 import pytest
+from openai import APIStatusError, OpenAI
 
 from loadtest.common import proc_status_kb
 from tests.conftest import Clip, Server, corpus_clips
@@ -285,6 +286,18 @@ def test_declared_oversize_body_is_refused_unread(limited: Server) -> None:
         r = c.post("/transcribe", files={"file": ("big.wav", b"\0" * (MAX_UPLOAD * 2))})
     err = assert_clear_error(r, 413)
     assert err["limit_bytes"] == MAX_UPLOAD and str(MAX_UPLOAD) in err["message"]
+
+
+def test_v1_oversize_body_is_an_openai_error(limited: Server) -> None:
+    """The body limit answers from middleware, before any route: /v1 still gets OpenAI's shape."""
+    oa = OpenAI(base_url=f"{limited.url}/v1", api_key="unused", max_retries=0)
+    with pytest.raises(APIStatusError) as info:
+        oa.audio.transcriptions.create(model="whisper-1",
+                                       file=("big.wav", b"\0" * (MAX_UPLOAD * 2)))
+    assert info.value.status_code == 413
+    body = info.value.body
+    assert isinstance(body, dict) and set(body) == {"message", "type", "param", "code"}
+    assert body["type"] == "invalid_request_error" and str(MAX_UPLOAD) in body["message"]
 
 
 def test_file_names_are_never_paths(limited: Server) -> None:

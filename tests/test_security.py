@@ -15,6 +15,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from openai import AuthenticationError, OpenAI
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -133,6 +134,17 @@ def test_missing_or_invalid_key_is_401(keyed: Server) -> None:
         r = c.post("/transcribe", files={"file": ("a.wav", b"\0" * 100_000)})
         assert r.status_code == 401
         assert r.headers["content-type"].startswith("application/json")
+
+
+def test_v1_refusal_is_an_openai_error(keyed: Server) -> None:
+    """The key check answers before any route runs; under /v1 it still speaks OpenAI's error
+    shape, so the SDK users already have raises its AuthenticationError with our message."""
+    oa = OpenAI(base_url=f"{keyed.url}/v1", api_key="wrong-key", max_retries=0)
+    with pytest.raises(AuthenticationError) as info:
+        oa.models.list()
+    assert info.value.status_code == 401
+    assert info.value.body == {"message": "the API key is not valid", "param": None,
+                               "type": "authentication_error", "code": "unauthorized"}
 
 
 @pytest.mark.model

@@ -43,8 +43,8 @@ def too_large(limit: int, received: int | None = None) -> PayloadTooLarge:
     return PayloadTooLarge(f"{what} exceeds the limit of {limit} bytes", limit_bytes=limit)
 
 
-async def send_error(send: Send, err: ServiceError) -> None:
-    body = json.dumps(err.body()).encode()
+async def send_error(send: Send, err: ServiceError, path: str) -> None:
+    body = json.dumps(err.body_for(path)).encode()
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
                # The rest of the body is not read: the connection cannot be reused.
                (b"connection", b"close")]
@@ -66,9 +66,10 @@ def declared_length(scope: Scope) -> int | None:
 class _Guard:
     """Per request: counts body bytes; once over the limit, owns the response."""
 
-    def __init__(self, receive: Receive, send: Send, max_body: int, limit: int) -> None:
+    def __init__(self, receive: Receive, send: Send, max_body: int, limit: int, path: str) -> None:
         self._receive = receive
         self._send = send
+        self.path = path
         self.max_body = max_body
         self.limit = limit
         self.received = 0
@@ -92,7 +93,7 @@ class _Guard:
             if self.error is not None and not self.started:
                 self.replaced = True
                 self.started = True
-                await send_error(self._send, self.error)
+                await send_error(self._send, self.error, self.path)
                 return
             self.started = True
         elif message["type"] == "http.response.body" and self.replaced:
@@ -112,15 +113,15 @@ class BodyLimitMiddleware:
             return
         declared = declared_length(scope)
         if declared is not None and declared > self.max_body:
-            await send_error(send, too_large(self.limit, declared))  # body never read
+            await send_error(send, too_large(self.limit, declared), scope["path"])  # body never read
             return
-        guard = _Guard(receive, send, self.max_body, self.limit)
+        guard = _Guard(receive, send, self.max_body, self.limit, scope["path"])
         try:
             await self.app(scope, guard.receive, guard.send)
         except PayloadTooLarge as exc:  # escaped the app unrendered (e.g. raised by a stream)
             if guard.started:
                 raise
-            await send_error(send, exc)
+            await send_error(send, exc, scope["path"])
 
 
 async def admit(st: AppState, audio_s: float, max_age_s: float = 0.0) -> None:
@@ -176,7 +177,7 @@ class BacklogGate:
                 try:
                     await admit(st, MIN_UPLOAD_S, GATE_MAX_AGE_S)
                 except Overloaded as exc:
-                    await send_error(send, exc)
+                    await send_error(send, exc, scope["path"])
                     return
         await self.app(scope, receive, send)
 

@@ -30,7 +30,7 @@ from starlette.routing import Match
 
 from app.api.deps import Caller, caller, ready_state, state
 from app.api.transcribe import accept_upload, decode_options
-from app.errors import BadRequest, ServiceError
+from app.errors import BadRequest, ServiceError, openai_body
 from app.formats import MEDIA_TYPES, render
 from app.state import AppState
 from app.store import TERMINAL, JobRow
@@ -39,7 +39,6 @@ ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
 Granularity = Literal["word", "segment"]
 ALIASES = ("whisper-1",)  # what OpenAI clients send by default: served by the loaded model
 STARTED = int(time.time())  # the model card's "created": when this process loaded it
-ERROR_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
 
 
 class OpenAIErrorDetail(BaseModel):
@@ -107,9 +106,8 @@ AUDIO_RESPONSES = {200: {"model": OpenAITranscription, **SUBTITLES},
 
 def openai_error(status: int, message: str, *, code: str | None = None, param: str | None = None,
                  headers: Mapping[str, str] | None = None) -> JSONResponse:
-    etype = ERROR_TYPES.get(status, "server_error" if status >= 500 else "invalid_request_error")
-    body = {"error": {"message": message, "type": etype, "param": param, "code": code}}
-    return JSONResponse(body, status_code=status, headers=headers)
+    return JSONResponse(openai_body(status, message, code=code, param=param), status_code=status,
+                        headers=headers)
 
 
 class OpenAIRoute(APIRoute):
@@ -122,9 +120,8 @@ class OpenAIRoute(APIRoute):
             try:
                 return await handler(request)
             except ServiceError as exc:
-                field = exc.details.get("field")
-                return openai_error(exc.status_code, exc.message, code=exc.error_type,
-                                    param=str(field) if field else None, headers=exc.headers)
+                return JSONResponse(exc.body_for(request.url.path), status_code=exc.status_code,
+                                    headers=exc.headers)
             except RequestValidationError as exc:  # OpenAI answers 400, naming the parameter
                 errs = exc.errors()
                 loc = [str(p) for p in (errs[0].get("loc", ()) if errs else ()) if p != "body"]
