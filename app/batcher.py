@@ -64,6 +64,7 @@ class Batcher:
         self._slots = asyncio.Semaphore(workers)
         self._retiring: set[asyncio.Task[None]] = set()  # see retire_slots
         self._running: set[asyncio.Task[None]] = set()
+        self._calls: dict[int, float] = {}  # engine calls running: id(windows) -> start
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
         metrics.batch_cap.set(self.cap)
@@ -87,6 +88,11 @@ class Batcher:
         self._update_gauges()
         self._wake.set()
         return futures
+
+    def oldest_call_s(self) -> float:
+        """How long the oldest engine call still running has run (0.0: none). A call the
+        engine never returns from keeps growing this: /healthz reports it as a stall."""
+        return time.monotonic() - min(self._calls.values()) if self._calls else 0.0
 
     def pending(self) -> int:
         """Windows waiting: for an engine call, or (two stages) between encode and decode."""
@@ -341,6 +347,7 @@ class Batcher:
         m = self._metrics
         windows = [i.window for i in items]
         start = time.monotonic()
+        self._calls[id(windows)] = start
         try:
             if stage == "encode":
                 assert self._stages is not None
@@ -352,8 +359,11 @@ class Batcher:
                 results = await self._run_batch(windows, key)
         except Exception as exc:
             m.processing.inc(time.monotonic() - start)  # engine time spent, even if wasted
+            del self._calls[id(windows)]
             await self._recover(stage, key, items, exc)
             return
+        finally:
+            self._calls.pop(id(windows), None)  # also when cancelled (shutdown)
         elapsed = time.monotonic() - start
         m.batch_duration.observe(elapsed)
         m.processing.inc(elapsed)

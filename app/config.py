@@ -101,6 +101,13 @@ class BatcherSettings(BaseModel):
     regrow_after: int = Field(
         8, ge=1, le=10_000, description="Successful batches before a halved cap doubles again."
     )
+    stall_after_s: float = Field(
+        600.0, ge=1, le=86_400,
+        description="An engine call running longer than this (a hung driver or device) makes "
+        "/healthz answer 503, so the orchestrator restarts the process and its jobs are "
+        "requeued. Legitimate calls take seconds: a full batch of 30 s windows on 2 CPU cores "
+        "is ~10 s.",
+    )
     duration_bucket_s: float = Field(
         5.0, gt=0, le=30, description="Windows whose lengths differ by less than this batch together."
     )
@@ -135,6 +142,13 @@ class StorageSettings(BaseModel):
         "", max_length=128,
         description="This process's name on the jobs it holds. Empty: <hostname>-<pid>, unique "
         "among live processes and stable across a container restart in the same pod (pid 1).",
+    )
+    max_attempts: int = Field(
+        3, ge=1, le=100,
+        description="A job is claimed at most this many times: one whose runs keep dying with "
+        "the process (a crash, a stalled engine) then fails instead of taking every restart "
+        "down with it. A graceful drain gives the attempt back, unless the job was inside an "
+        "engine call that outlived the grace.",
     )
     lease_s: float = Field(
         30.0, ge=1, le=3600,

@@ -26,10 +26,10 @@ from app.batcher import Batcher
 from app.blobs import BlobStore, make_blobs
 from app.config import Settings
 from app.engine import SAMPLE_RATE, DecodeOptions, Window, WindowResult
-from app.errors import ServiceError, ShuttingDown
+from app.errors import ServiceError, ShuttingDown, TranscriptionFailed
 from app.metrics import Metrics
 from app.store import TERMINAL, JobRow, JobStore
-from app.words import window_segments
+from app.words import transcript
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +288,11 @@ class JobRunner:
             await self._process(job)
         except asyncio.CancelledError:
             if self._stopping:
-                await self.store.release(job.id, self.replica)
+                # Cancelled by the drain's deadline (not by a closed prep pool): the job was in
+                # an engine call that outlived the grace, maybe a stalled one, so the run counts.
+                task = asyncio.current_task()
+                ran = task is not None and task.cancelling() > 0
+                await self.store.release(job.id, self.replica, counts=ran)
         except ShuttingDown:
             await self.store.release(job.id, self.replica)
         except ServiceError as exc:
@@ -302,6 +306,10 @@ class JobRunner:
 
     async def _process(self, job: JobRow) -> None:
         loop = asyncio.get_running_loop()
+        if job.attempts > self.settings.storage.max_attempts:  # see StorageSettings.max_attempts
+            raise TranscriptionFailed(
+                f"the service stopped {job.attempts - 1} times while running this job (a crash "
+                "or a stalled engine); it is not retried again", cause="too_many_attempts")
         if self._stopping:  # the prep pool is shut down: refuse here, not with a RuntimeError
             raise ShuttingDown("service stopping; the job stays queued")
         samples, windows = await loop.run_in_executor(self._prep, self._prepare, job.upload_path)
@@ -360,18 +368,8 @@ class JobRunner:
 
     async def _complete(self, job: JobRow, windows: list[Window], results: list[WindowResult],
                         opts: DecodeOptions) -> None:
-        # Sentence segments when word times exist (better subtitles), else one per window.
-        segments = [s for w, r in zip(windows, results, strict=True) for s in window_segments(w, r)]
-        words = [wd for s in segments for wd in s.pop("words")]
-        for k, s in enumerate(segments):
-            s["id"] = k
-        result = {
-            "text": " ".join(s["text"] for s in segments if s["text"]),
-            "language": opts.language,
-            "language_probability": results[0].language_probability if results else None,
-            "duration": job.audio_seconds, "segments": segments,
-            "words": words if opts.word_timestamps else None,
-        }
+        result = transcript(windows, results, opts.language, job.audio_seconds,
+                            opts.word_timestamps)
         # queue wait: accepted -> claimed; processing: claimed -> done (decode, VAD, batches).
         now = time.time()
         started = job.started_at or job.created_at

@@ -120,6 +120,11 @@ class Metrics:
             buckets=BATCH_SECONDS_BUCKETS,
             registry=r,
         )
+        self.engine_call_age = Gauge(
+            p + "engine_call_running_seconds",
+            "Age of the oldest engine call still running (0 when none): alert well before "
+            "batcher.stall_after_s, where /healthz turns 503.", registry=r,
+        )
         self.batch_cap = Gauge(
             p + "batch_cap_windows", "Current batch cap (lowered by OOM backoff).", registry=r
         )

@@ -60,4 +60,5 @@ class AppState:
         """Point-in-time gauges read at scrape time (cheap: NVML or /proc, no locks)."""
         m = self.metrics
         m.pending_windows.set(self.batcher.pending())
+        m.engine_call_age.set(self.batcher.oldest_call_s())
         m.record_memory(self.monitor.read())

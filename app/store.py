@@ -201,13 +201,16 @@ class JobStore:
             )
             return int(res.rowcount or 0)
 
-    async def release(self, job_id: str, replica: str) -> None:
-        """Give a claimed job back to the queue (graceful shutdown mid-job)."""
+    async def release(self, job_id: str, replica: str, counts: bool = False) -> None:
+        """Give a claimed job back to the queue (graceful shutdown mid-job), and its attempt
+        with it unless ``counts``: only runs that died with (or held up) their process count
+        against ``max_attempts``."""
         async with self.engine.begin() as conn:
             await conn.execute(
                 jobs.update().where(jobs.c.id == job_id, jobs.c.lease_owner == replica,
                                     jobs.c.status == "running")
-                .values(status="queued", lease_owner=None, lease_expires_at=None, windows_done=0)
+                .values(status="queued", lease_owner=None, lease_expires_at=None, windows_done=0,
+                        attempts=jobs.c.attempts - (0 if counts else 1))
             )
 
     async def update(self, job_id: str, **values: Any) -> None:

@@ -131,6 +131,23 @@ def _trim_first_word(timing: list[dict[str, Any]], median: float, longest: float
         first["start"] = max(0.0, first["end"] - longest)
 
 
+def transcript(windows: Sequence[Window], results: Sequence[WindowResult], language: str | None,
+               duration: float, word_timestamps: bool) -> dict[str, Any]:
+    """A job's result from its windows' results (in upload order): sentence segments when
+    word times exist (better subtitles), else one segment per window."""
+    segments = [s for w, r in zip(windows, results, strict=True) for s in window_segments(w, r)]
+    words = [wd for s in segments for wd in s.pop("words")]
+    for k, s in enumerate(segments):
+        s["id"] = k
+    return {
+        "text": " ".join(s["text"] for s in segments if s["text"]),
+        "language": language,
+        "language_probability": results[0].language_probability if results else None,
+        "duration": duration, "segments": segments,
+        "words": words if word_timestamps else None,
+    }
+
+
 def window_segments(window: Window, result: WindowResult) -> list[dict[str, Any]]:
     """One window's segments: sentences when word times exist, else the whole window.
 

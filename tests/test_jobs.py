@@ -79,13 +79,18 @@ class Rig:
     def __init__(self, tmp: Path, store: JobStore, blobs: LocalBlobs) -> None:
         self.tmp, self.store, self.blobs = tmp, store, blobs
         settings = Settings(storage=StorageSettings(data_dir=tmp))
-        self.batcher = SignallingBatcher(EngineRunner(FakeEngine()).run, settings.batcher, 1, Metrics())
+        self.fake = FakeEngine()
+        self.batcher = SignallingBatcher(EngineRunner(self.fake).run, settings.batcher, 1, Metrics())
         self.runner = JobRunner(settings, store, self.batcher, WholeClip(), Metrics(), blobs=blobs)
 
     async def submit(self, job_id: str, clip: Clip) -> None:
         upload = self.tmp / job_id
         shutil.copy(clip.path, upload)
         await self.runner.submit(job_id, upload, clip.path.name, EN, clip.duration_s, None)
+
+    async def start(self) -> None:
+        self.batcher.start()
+        await self.runner.start()
 
     async def status(self, job_id: str) -> str:
         row = await self.store.get(job_id)
@@ -97,18 +102,19 @@ class Rig:
 async def rig_factory(tmp_path: Path) -> AsyncIterator[Callable[..., Awaitable[Rig]]]:
     rigs: list[Rig] = []
 
-    async def make(store_cls: type[JobStore] = JobStore,
-                   blobs_cls: type[LocalBlobs] = LocalBlobs) -> Rig:
+    async def make(store_cls: type[JobStore] = JobStore, blobs_cls: type[LocalBlobs] = LocalBlobs,
+                   start: bool = True) -> Rig:
         store = store_cls(f"sqlite+aiosqlite:///{tmp_path / 'jobs.db'}")
         await store.init()
         r = Rig(tmp_path, store, blobs_cls(tmp_path / "uploads"))
         rigs.append(r)
-        r.batcher.start()
-        await r.runner.start()
+        if start:
+            await r.start()
         return r
 
     yield make
     for r in rigs:
+        r.fake.gate.set()
         if isinstance(r.blobs, GatedBlobs):
             r.blobs.gate.set()
         if not r.runner.stopped:
@@ -129,6 +135,8 @@ async def test_stop_while_a_claim_commits_leaves_the_job_queued(
     store.proceed.set()
     await asyncio.wait_for(stopping, BOUND)
     assert await rig.status("j1") == "queued"
+    row = await rig.store.get("j1")
+    assert row is not None and row.attempts == 0  # a drain gives the attempt back
 
 
 async def test_stop_during_prep_leaves_the_job_queued(
@@ -144,4 +152,39 @@ async def test_stop_during_prep_leaves_the_job_queued(
     await asyncio.wait_for(rig.batcher.stopping.wait(), BOUND)
     blobs.gate.set()
     await asyncio.wait_for(stopping, BOUND)
-    assert await rig.status("j1") == "queued"
+    row = await rig.store.get("j1")
+    assert row is not None and row.status == "queued" and row.attempts == 0, row
+
+
+
+async def test_a_job_whose_runs_keep_dying_fails_instead_of_running_again(
+        rig_factory: Callable[..., Awaitable[Rig]], clips: list[Clip]) -> None:
+    """Two queued jobs whose earlier runs died with their process (a crash, a stalled engine):
+    the one under the limit runs; the one that used up ``storage.max_attempts`` fails, saying
+    why, instead of taking the next process down too."""
+    rig = await rig_factory(start=False)
+    limit = rig.runner.settings.storage.max_attempts
+    for job_id, died in (("again", limit - 1), ("poison", limit)):
+        await rig.submit(job_id, clips[0])
+        await rig.store.update(job_id, attempts=died)
+    await rig.start()
+    for job_id in ("again", "poison"):
+        await rig.runner.wait(job_id, BOUND)
+    again, poison = await rig.store.get("again"), await rig.store.get("poison")
+    assert again is not None and again.status == "done" and again.attempts == limit, again
+    assert poison is not None and poison.status == "failed", poison
+    assert poison.error is not None and poison.error["cause"] == "too_many_attempts", poison.error
+
+
+async def test_a_run_held_in_a_stalled_engine_call_counts_as_an_attempt(
+        rig_factory: Callable[..., Awaitable[Rig]], clips: list[Clip]) -> None:
+    """A drain gives a job its attempt back, except when the job was inside an engine call that
+    outlived the grace (a stalled engine): that run counts, or a job that hangs the engine
+    would be retried by every restart forever."""
+    rig = await rig_factory()
+    rig.fake.gate.clear()
+    await rig.submit("stuck", clips[0])
+    assert await asyncio.to_thread(rig.fake.entered.acquire, True, BOUND)
+    await asyncio.wait_for(rig.runner.stop(0.5), BOUND)
+    row = await rig.store.get("stuck")
+    assert row is not None and row.status == "queued" and row.attempts == 1, row

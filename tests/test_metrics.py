@@ -274,6 +274,35 @@ def test_oom_backoff_is_visible(tmp_path: Path, clips: list[Clip]) -> None:
         t, "batchscribe_batch_duration_seconds_sum")  # the failed batches' time counts too
 
 
+def test_a_stalled_engine_call_fails_liveness(tmp_path: Path, clips: list[Clip]) -> None:
+    """An engine call that does not return (a hung driver, fault-injected: the gate stays shut)
+    turns /healthz to 503 once it outlives batcher.stall_after_s, with the age on /metrics; when
+    the call returns, liveness recovers and the job finishes."""
+    clip = min(clips, key=lambda c: c.duration_s)
+    fake = FakeEngine()
+    fake.gate.clear()
+    app = create_app(fake_settings(tmp_path, batcher={"stall_after_s": 1}),
+                     engine_factory=lambda s: fake)
+    with serve(app) as url, httpx.Client(base_url=url, timeout=30) as client:
+        assert client.get("/healthz").status_code == 200
+        with clip.path.open("rb") as f:
+            r = client.post("/transcribe", files={"file": (clip.path.name, f)},
+                            data={"language": "en"})
+        assert r.status_code == 202, r.text
+        assert fake.entered.acquire(timeout=120), "no batch reached the engine"
+        deadline = time.monotonic() + 30  # bounded: only guards against a hang
+        while (h := client.get("/healthz")).status_code == 200 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert h.status_code == 503 and h.json()["status"] == "engine_stalled", h.text
+        assert h.json()["engine_call_running_s"] >= 1
+        assert value(client.get("/metrics").text, "batchscribe_engine_call_running_seconds") >= 1
+        fake.gate.set()
+        job = wait_done(client, r.json()["id"])
+        assert job["status"] == "done", job
+        assert client.get("/healthz").json() == {"status": "ok"}
+        assert value(client.get("/metrics").text, "batchscribe_engine_call_running_seconds") == 0
+
+
 def test_every_metric_the_dashboard_and_alerts_query_is_exposed(run: Run) -> None:
     used = queried_metrics()
     # The extraction works: the core signals are among the names found.

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -23,10 +23,18 @@ log = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 2.0  # well under Prometheus' default 10 s scrape timeout
 
 
-@router.get("/healthz")
-async def healthz() -> dict[str, str]:
-    """The process is alive and its event loop answers."""
-    return {"status": "ok"}
+@router.get("/healthz", responses={503: {"description": "An engine call has stalled."}})
+async def healthz(request: Request) -> JSONResponse:
+    """The process is alive: its event loop answers and no engine call has run for longer than
+    ``batcher.stall_after_s``. A hung call never returns and cannot be cancelled from Python, so
+    the way out is a restart (liveness probe), after which its jobs are requeued."""
+    st: AppState | None = getattr(request.app.state, "bs", None)  # None while the model loads
+    running = st.batcher.oldest_call_s() if st is not None else 0.0
+    if st is not None and running > st.settings.batcher.stall_after_s:
+        log.error("engine call running for %.0f s: reporting unhealthy", running)
+        return JSONResponse({"status": "engine_stalled", "engine_call_running_s": round(running)},
+                            status_code=503)
+    return JSONResponse({"status": "ok"})
 
 
 @router.get("/readyz", responses={503: {"description": "Loading the model, or draining."}})
