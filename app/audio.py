@@ -80,14 +80,21 @@ def _open(path: Path) -> Any:
     opens its file twice (probe, decode), while a WAV header already holds what the probe
     looks for. Other formats keep FFmpeg's defaults (an mp3's ID3 cover art can be larger
     than a small probe), and so does a WAV whose stream the small probe left undescribed."""
-    with path.open("rb") as f:
-        head = f.read(12)
+    try:
+        with path.open("rb") as f:
+            head = f.read(12)
+    except OSError:
+        head = b""  # av.open below raises its own error for it, as it always did
     if head[:4] in WAV_MAGIC[0] and head[8:12] == WAV_MAGIC[1]:
-        c = av.open(str(path), mode="r", metadata_errors="ignore", options=SMALL_PROBE)
-        s = c.streams.audio[0] if c.streams.audio else None
-        if s is not None and s.codec_context.sample_rate and s.codec_context.channels:
-            return c
-        c.close()
+        try:
+            c = av.open(str(path), mode="r", metadata_errors="ignore", options=SMALL_PROBE)
+        except av.error.FFmpegError:
+            pass  # judged by the default probe below, exactly as before
+        else:
+            s = c.streams.audio[0] if c.streams.audio else None
+            if s is not None and s.codec_context.sample_rate and s.codec_context.channels:
+                return c
+            c.close()
     return av.open(str(path), mode="r", metadata_errors="ignore")
 
 
