@@ -1,7 +1,7 @@
 """WAV uploads are opened with a small FFmpeg probe (app.audio._open): it must never change what
-is decoded or probed. Every corpus WAV, and WAVs of every sample width, stereo and a streaming
-writer's 4 GiB header, decode to the same samples and probe to the same facts as with FFmpeg's
-default probe."""
+is decoded or probed. Every corpus WAV, and WAVs of every sample width, stereo, mu-law, ADPCM
+and a streaming writer's 4 GiB header, decode to the same samples and probe to the same facts
+as with FFmpeg's default probe."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 
 from app import audio
 from tests.conftest import Clip
-from tests.test_bad_input import huge_header_wav, load, wav
+from tests.test_bad_input import encode, huge_header_wav, load, wav
 
 
 def variants(clips: list[Clip], tmp: Path) -> list[Path]:
@@ -22,6 +22,9 @@ def variants(clips: list[Clip], tmp: Path) -> list[Path]:
         "u8.wav": wav(speech, 22050, 1), "s24.wav": wav(speech, 22050, 3),
         "s32.wav": wav(speech, 22050, 4), "stereo.wav": wav(np.hstack([speech, speech]), 22050),
         "huge-header.wav": huge_header_wav(load(Path(clips[0].path), 16000)),
+        # Compressed payloads in a WAV container: the header still describes the stream.
+        "mulaw.wav": encode(load(Path(clips[0].path), 8000)[:, 0], 8000, "wav", "pcm_mulaw"),
+        "adpcm.wav": encode(load(Path(clips[0].path), 16000)[:, 0], 16000, "wav", "adpcm_ms"),
     }
     for name, data in made.items():
         (tmp / name).write_bytes(data)
