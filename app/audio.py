@@ -70,7 +70,7 @@ def probe(path: Path, max_audio_s: float) -> Probe:
         ) from exc
 
 
-WAV_MAGIC = ((b"RIFF", b"RF64", b"BW64"), b"WAVE")
+RIFF_IDS = (b"RIFF", b"RF64", b"BW64")  # a WAV starts with one, then its size, then b"WAVE"
 SMALL_PROBE = {"probesize": "4096"}
 
 
@@ -85,7 +85,7 @@ def _open(path: Path) -> Any:
             head = f.read(12)
     except OSError:
         head = b""  # av.open below raises its own error for it, as it always did
-    if head[:4] in WAV_MAGIC[0] and head[8:12] == WAV_MAGIC[1]:
+    if head[:4] in RIFF_IDS and head[8:12] == b"WAVE":
         try:
             c = av.open(str(path), mode="r", metadata_errors="ignore", options=SMALL_PROBE)
         except av.error.FFmpegError:

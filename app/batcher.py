@@ -20,7 +20,7 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
 
 from app.config import BatcherSettings
@@ -93,6 +93,14 @@ class Batcher:
         """How long the oldest engine call still running has run (0.0: none). A call the
         engine never returns from keeps growing this: /healthz reports it as a stall."""
         return time.monotonic() - min(self._calls.values()) if self._calls else 0.0
+
+    @contextlib.contextmanager
+    def _engine_call(self, windows: list[Window], start: float) -> Iterator[None]:
+        self._calls[id(windows)] = start
+        try:
+            yield
+        finally:  # returned, raised or cancelled: no longer running
+            del self._calls[id(windows)]
 
     def pending(self) -> int:
         """Windows waiting: for an engine call, or (two stages) between encode and decode."""
@@ -347,23 +355,20 @@ class Batcher:
         m = self._metrics
         windows = [i.window for i in items]
         start = time.monotonic()
-        self._calls[id(windows)] = start
         try:
-            if stage == "encode":
-                assert self._stages is not None
-                encoded = await self._stages.encode(windows, key)
-            elif stage == "decode":
-                assert self._stages is not None
-                results = await self._stages.decode(windows, encoded_of(items), key)
-            else:
-                results = await self._run_batch(windows, key)
+            with self._engine_call(windows, start):
+                if stage == "encode":
+                    assert self._stages is not None
+                    encoded = await self._stages.encode(windows, key)
+                elif stage == "decode":
+                    assert self._stages is not None
+                    results = await self._stages.decode(windows, encoded_of(items), key)
+                else:
+                    results = await self._run_batch(windows, key)
         except Exception as exc:
             m.processing.inc(time.monotonic() - start)  # engine time spent, even if wasted
-            del self._calls[id(windows)]
             await self._recover(stage, key, items, exc)
             return
-        finally:
-            self._calls.pop(id(windows), None)  # also when cancelled (shutdown)
         elapsed = time.monotonic() - start
         m.batch_duration.observe(elapsed)
         m.processing.inc(elapsed)

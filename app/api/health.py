@@ -29,8 +29,7 @@ async def healthz(request: Request) -> JSONResponse:
     ``batcher.stall_after_s``. A hung call never returns and cannot be cancelled from Python, so
     the way out is a restart (liveness probe), after which its jobs are requeued."""
     st: AppState | None = getattr(request.app.state, "bs", None)  # None while the model loads
-    running = st.batcher.oldest_call_s() if st is not None else 0.0
-    if st is not None and running > st.settings.batcher.stall_after_s:
+    if st is not None and (running := st.batcher.oldest_call_s()) > st.settings.batcher.stall_after_s:
         log.error("engine call running for %.0f s: reporting unhealthy", running)
         return JSONResponse({"status": "engine_stalled", "engine_call_running_s": round(running)},
                             status_code=503)
