@@ -23,6 +23,7 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
 
+from app.capacity import BatchCap
 from app.config import BatcherSettings
 from app.device import is_oom
 from app.engine import WINDOW_S, DecodeOptions, Window, WindowResult
@@ -47,7 +48,6 @@ class Batcher:
         # its padded-length class (one encoder shape); otherwise duration buckets.
         bucket = settings.duration_bucket_s
         self._size_class = size_class or (lambda w: w.duration // bucket)
-        self._base_memory_mb = base_memory_mb  # held before any batch: the resident model
         self._in_flight = 0  # windows inside engine calls right now
         # Windows taken from the queue whose result is not out yet (encoded ones included), per
         # job: a job with none is "fresh" (see _take).
@@ -55,8 +55,7 @@ class Batcher:
         self._short_in_flight = 0  # of those, windows of short requests (see Item.job_windows)
         self._small: set[int] = set()  # id() of running batches of <= cap/4 windows
         self.settings = settings
-        self.cap = settings.max_batch_size
-        self._streak = 0
+        self._cap = BatchCap(settings, metrics, base_memory_mb)  # OOM backoff, memory budget
         self._metrics = metrics
         self._groups: dict[DecodeOptions, list[Item]] = {}  # queued, by options
         self._pool = DecodePool()  # two stages: encoded windows waiting for a decoder batch
@@ -67,7 +66,6 @@ class Batcher:
         self._calls: dict[int, float] = {}  # engine calls running: id(windows) -> start
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
-        metrics.batch_cap.set(self.cap)
 
     # ---- caller side -------------------------------------------------------------------------
     def submit(
@@ -242,17 +240,13 @@ class Batcher:
     def small_batch(self) -> int:  # beside a long upload; also the most windows of a short job
         return max(1, self.cap // 4)
 
+    @property
+    def cap(self) -> int:  # the batch cap now (halved after an OOM, see app/capacity.py)
+        return self._cap.value
+
     def limit(self, stage: Stage = "run") -> int:
-        """Windows the next batch may take: the (OOM-adjusted) cap, within the memory budget.
-        A decoder batch's cap is ``max_decode_batch_size``, scaled down with the cap."""
-        s = self.settings
-        cap = self.cap
-        if stage == "decode":
-            cap = max(1, s.max_decode_batch_size * self.cap // s.max_batch_size)
-        if not s.memory_budget_mb:
-            return cap
-        room = int((s.memory_budget_mb - self._base_memory_mb) / s.window_memory_mb)
-        return max(1, min(cap, room - self._in_flight))
+        """Windows the next batch may take (see app/capacity.py)."""
+        return self._cap.limit(stage, self._in_flight)
 
     def _take(self, group: list[Item]) -> list[Item]:
         """Choose up to ``cap`` windows of one group: fair across jobs, similar lengths together.
@@ -375,39 +369,25 @@ class Batcher:
         if stage == "encode":
             self._pool.add(items, encoded)
         else:
-            audio = sum(w.duration for w in windows)
-            m.batches.labels("ok").inc()
-            m.batch_size.observe(len(items))
-            m.audio_processed.inc(audio)
-            m.batch_fill.observe(min(1.0, audio / (len(items) * WINDOW_S)))
+            m.batch_done(len(items), sum(w.duration for w in windows), WINDOW_S)
             for i, r in zip(items, results, strict=True):
                 i.encoded = None
                 if not i.future.done():
                     i.future.set_result(r)
-        self._streak += 1
-        if self.cap < self.settings.max_batch_size and self._streak >= self.settings.regrow_after:
-            self.cap = min(self.settings.max_batch_size, self.cap * 2)
-            self._streak = 0
-            m.batch_cap.set(self.cap)
-            log.info("batch cap regrown to %d", self.cap)
+        self._cap.succeeded()
 
     async def _recover(self, stage: Stage, key: DecodeOptions, items: list[Item],
                        exc: Exception) -> None:
         """Split a failed batch to isolate the cause; on OOM also halve the cap."""
-        m = self._metrics
-        m.batches.labels("oom" if is_oom(exc) else "error").inc()
-        if is_oom(exc):
-            m.oom_events.inc()
-            # Halve relative to the batch that failed, never below what already fits.
-            self.cap = max(1, min(self.cap, len(items) // 2))
-            self._streak = 0
-            m.batch_cap.set(self.cap)
-            log.warning("engine OOM on %d windows; cap now %d", len(items), self.cap)
+        oom = is_oom(exc)
+        self._metrics.batches.labels("oom" if oom else "error").inc()
+        if oom:
+            self._cap.out_of_memory(len(items))
         if len(items) == 1:
             log.error("window of job %s failed: %s", items[0].job_id, exc)
             items[0].fail(TranscriptionFailed(
                 f"inference failed for the window at {items[0].window.start:.1f}s: {exc}",
-                cause="out_of_memory" if is_oom(exc) else type(exc).__name__,
+                cause="out_of_memory" if oom else type(exc).__name__,
             ))
             return
         half = len(items) // 2

@@ -29,11 +29,10 @@ from app.engine import SAMPLE_RATE, DecodeOptions, Window, WindowResult
 from app.errors import ServiceError, ShuttingDown, TranscriptionFailed
 from app.metrics import Metrics
 from app.store import TERMINAL, JobRow, JobStore
+from app.upkeep import Upkeep
 from app.words import transcript
 
 log = logging.getLogger(__name__)
-
-SPOOL_SWEEP_S = 300.0  # how often, and how old an unreferenced spool file must be, to remove it
 
 
 @dataclass
@@ -86,7 +85,7 @@ class JobRunner:
         if n:
             log.info("resuming %d job(s) interrupted by the last stop", n)
         self._tasks = [asyncio.create_task(self._claim_loop(), name="claim"),
-                       asyncio.create_task(self._maintenance_loop(), name="maintenance")]
+                       asyncio.create_task(Upkeep(self).loop(), name="maintenance")]
         self._wake.set()
 
     async def stop(self, grace_s: float) -> None:
@@ -154,7 +153,7 @@ class JobRunner:
             active.task.cancel()  # its queued windows are dropped by the batcher for free
         if ok:
             self._job_ended(job.id, "cancelled", job)
-            await self._drop_upload(job.upload_path)
+            await self.drop_upload(job.upload_path)
         return ok
 
     async def wait(self, job_id: str, timeout: float) -> None:
@@ -185,6 +184,10 @@ class JobRunner:
                 subs.discard(ev)
                 if not subs:
                     del self._watchers[job_id]
+
+    def wake(self) -> None:
+        """Claim now: a job was queued or requeued, or a slot freed up."""
+        self._wake.set()
 
     def _changed(self, job_id: str) -> None:
         for ev in self._watchers.get(job_id, ()):
@@ -238,49 +241,6 @@ class JobRunner:
             # Woken by a submit or a finished job; the timeout picks up other replicas' work.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 2.0)
-
-    async def _maintenance_loop(self) -> None:
-        next_sweep = 0.0  # first pass: at start-up, to clean up after a crash
-        while True:
-            try:
-                progress = {k: a.windows_done for k, a in self.active.items()}
-                held = await self.store.heartbeat(self.replica, progress, self.lease_s)
-                self._drop_lost(set(progress) - held)
-                if await self.store.requeue_stale(None):  # expired leases (a replica died)
-                    self._wake.set()
-                await self._purge_expired()
-                if time.monotonic() >= next_sweep:
-                    await self._sweep_spool()
-                    next_sweep = time.monotonic() + SPOOL_SWEEP_S
-                await self.refresh_gauges()
-            except Exception:
-                log.exception("maintenance pass failed; retrying")
-            await asyncio.sleep(self.lease_s / 6)
-
-    def _drop_lost(self, lost: set[str]) -> None:
-        """Stop jobs whose lease this replica lost (it stalled past the lease and the job was
-        requeued, maybe claimed elsewhere): their result could not be written anyway."""
-        for job_id in lost:
-            a = self.active.get(job_id)
-            if a is not None and not a.ending:  # ending: finished, its lease is already gone
-                log.warning("lease of job %s lost; abandoning it", job_id)
-                a.task.cancel()
-
-    async def _sweep_spool(self) -> None:
-        """Remove uploads no live job needs: left by a crash between spooling and the commit,
-        or between a job's final write and its unlink. Young files may be uploads in progress."""
-        stale = await asyncio.to_thread(self.blobs.stale, time.time() - SPOOL_SWEEP_S)
-        for key in stale:
-            job = await self.store.get(key)  # uploads are stored under their job id
-            if job is None or job.status in TERMINAL:
-                log.info("removing orphaned upload %s", key)
-                await self._drop_upload(key)
-
-    async def _purge_expired(self) -> None:
-        old = await self.store.expired(time.time())
-        for j in old:
-            await self._drop_upload(j.upload_path)
-        await self.store.delete([j.id for j in old])
 
     # ---- running one job ---------------------------------------------------------------------
     async def _run(self, job: JobRow) -> None:
@@ -383,16 +343,16 @@ class JobRunner:
             self.metrics.job_rtf.observe(job.audio_seconds / max(1e-6, now - started))
             self.metrics.job_queue_wait.observe(started - job.created_at)
             self._job_ended(job.id, "done", job)
-            await self._drop_upload(job.upload_path)
+            await self.drop_upload(job.upload_path)
 
     async def _fail(self, job: JobRow, error: dict[str, Any]) -> None:
         self._ending(job.id)
         if await self.store.finish(job.id, self.replica, "failed",
                                    self.settings.storage.result_ttl_s, error=error):
             self._job_ended(job.id, "failed", job)
-            await self._drop_upload(job.upload_path)
+            await self.drop_upload(job.upload_path)
 
-    async def _drop_upload(self, key: str) -> None:
+    async def drop_upload(self, key: str) -> None:
         try:
             await asyncio.to_thread(self.blobs.delete, key)
         except Exception as exc:  # the orphan sweep retries; never fail a finished job for this

@@ -170,6 +170,13 @@ class Metrics:
             self.batches.labels(outcome)
         self.rejected.labels("backlog")
 
+    def batch_done(self, windows: int, audio_s: float, window_s: float) -> None:
+        """A batch's results are out (two stages: its decode): sizes, fill and audio done."""
+        self.batches.labels("ok").inc()
+        self.batch_size.observe(windows)
+        self.audio_processed.inc(audio_s)
+        self.batch_fill.observe(min(1.0, audio_s / (windows * window_s)))
+
     def record_memory(self, readings: list[MemoryReading]) -> None:
         """Set the device memory gauges from one :class:`DeviceMonitor` reading."""
         for r in readings:
