@@ -33,11 +33,10 @@ from loadtest.common import (
     join_texts,
     load_corpus,
     machine_info,
-    normaliser_name,
     resolve_model,
     select_clips,
-    wer_by_group,
 )
+from loadtest.scoring import normaliser_name, wer_by_group
 
 HOP = 160  # samples per mel frame
 FRAME_PAIR = 2 * HOP  # the encoder's stride-2 conv halves the frames: keep them even

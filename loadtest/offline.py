@@ -36,11 +36,11 @@ from loadtest.common import (
     cpu_count,
     cut_corpus,
     join_texts,
-    latency_summary,
     now,
     read_clips,
     replay_order,
 )
+from loadtest.scoring import latency_summary
 
 # The service's decode settings, expressed as faster-whisper transcribe() arguments: greedy,
 # no timestamp tokens, no temperature fallback, windows independent, the same Silero VAD options.

@@ -26,7 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.common import load_corpus
-from loadtest.service import Client, Server, all_at_once, cpu_seconds, thread_cpu
+from loadtest.probes import cpu_seconds, thread_cpu
+from loadtest.service import Client, Server, all_at_once
 
 SERVE = """
 import os, sys

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -27,11 +26,12 @@ from loadtest.common import (
     Clip,
     child_env,
     free_port,
-    latency_summary,
     proc_status_kb,
     replay_order,
     write_wav16,
 )
+from loadtest.probes import counter_delta, cpu_seconds, cpu_split, histogram_delta, parse_metrics, thread_cpu
+from loadtest.scoring import latency_summary
 
 TERMINAL = ("done", "failed", "cancelled")
 
@@ -93,55 +93,6 @@ class Server:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait(30)
-
-
-# ---- /metrics ---------------------------------------------------------------------------------
-_SAMPLE = re.compile(r"^([a-zA-Z_:][\w:]*)(\{[^}]*\})?\s+(\S+)")
-
-
-def parse_metrics(text: str) -> dict[tuple[str, str], float]:
-    out: dict[tuple[str, str], float] = {}
-    for line in text.splitlines():
-        m = _SAMPLE.match(line)
-        if m:
-            with contextlib.suppress(ValueError):
-                out[(m.group(1), m.group(2) or "")] = float(m.group(3))
-    return out
-
-
-def histogram_delta(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
-                    name: str) -> dict[str, Any]:
-    """Non-cumulative bucket counts of a histogram between two scrapes, plus count and mean."""
-    buckets: list[tuple[float, float]] = []
-    for (metric, labels), v in after.items():
-        if metric == name + "_bucket":
-            le = re.search(r'le="([^"]+)"', labels)
-            if le:
-                bound = float("inf") if le.group(1) == "+Inf" else float(le.group(1))
-                buckets.append((bound, v - before.get((metric, labels), 0.0)))
-    buckets.sort()
-    integral = all(b == float("inf") or b == int(b) for b, _ in buckets)
-    dist: dict[str, int] = {}
-    prev_bound, prev_cum = 0.0, 0.0
-    for bound, cum in buckets:
-        n = round(cum - prev_cum)
-        if n:
-            hi = "inf" if bound == float("inf") else (str(int(bound)) if integral else str(bound))
-            if integral:  # windows per batch: "5-6" means 5 or 6 windows
-                lo = str(int(prev_bound) + 1)
-                dist[lo if lo == hi else f"{lo}-{hi}"] = n
-            else:  # seconds or ratios: "<=0.5"
-                dist[f"<={hi}"] = n
-        prev_bound, prev_cum = bound, cum
-    count = after.get((name + "_count", ""), 0.0) - before.get((name + "_count", ""), 0.0)
-    total = after.get((name + "_sum", ""), 0.0) - before.get((name + "_sum", ""), 0.0)
-    return {"count": round(count), "mean": round(total / count, 3) if count else None,
-            "distribution": dist}
-
-
-def counter_delta(before: dict[tuple[str, str], float], after: dict[tuple[str, str], float],
-                  name: str) -> float:
-    return round(after.get((name, ""), 0.0) - before.get((name, ""), 0.0), 3)
 
 
 # ---- the client -------------------------------------------------------------------------------
@@ -211,41 +162,6 @@ class Client:
             if m.get(("batchscribe_queue_pending_windows", ""), 0.0) == 0 and \
                     cpu_seconds(pid) - c0 < 0.1:
                 return
-
-
-def stat_cpu_seconds(stat: Path) -> float:
-    """utime + stime from a /proc ``stat`` file (a process's or one thread's), in seconds."""
-    fields = stat.read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def thread_cpu(pid: int) -> dict[str, float]:
-    """utime + stime per live thread of a process, in seconds, by thread id."""
-    out: dict[str, float] = {}
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        with contextlib.suppress(OSError):  # a thread that ended meanwhile
-            out[task.name] = stat_cpu_seconds(task / "stat")
-    return out
-
-
-def cpu_split(pid: int, before: tuple[float, dict[str, float]], after: tuple[float, dict[str, float]],
-              wall_s: float, engine_threads: int) -> dict[str, Any]:
-    """Where the server's CPU went: its ``engine_threads`` busiest threads (CTranslate2's
-    workers, which run the whole encode and decode) against everything else (HTTP, store,
-    decode, VAD, mel, batching), in cores."""
-    per = sorted((after[1][t] - before[1].get(t, 0.0) for t in after[1]), reverse=True)
-    total = (after[0] - before[0]) / wall_s
-    engine = sum(per[:engine_threads]) / wall_s
-    return {"process_cores": round(total, 3), "engine_thread_cores": round(engine, 3),
-            "other_cores": round(total - engine, 3), "engine_threads": engine_threads}
-
-
-def cpu_seconds(pid: int) -> float:
-    """utime + stime of a process, in seconds (0 once it is gone)."""
-    try:
-        return stat_cpu_seconds(Path(f"/proc/{pid}/stat"))
-    except OSError:
-        return 0.0
 
 
 # ---- phases -----------------------------------------------------------------------------------
