@@ -49,7 +49,7 @@ from loadtest.common import (
     save_clips,
     select_clips,
 )
-from loadtest.report import _errors, _lat, analyse, log, render_markdown, replace_readme
+from loadtest.report import analyse, error_kinds, log, render_markdown, replace_readme, short_latency
 from loadtest.service import (
     Client,
     Server,
@@ -161,7 +161,7 @@ async def run_service(args: argparse.Namespace, work: Path, clips: list[Clip],
         await sequential(client, short, 3)  # warm-up
         log(f"service: idle latency, {args.idle_requests} short clips one at a time")
         idle = await sequential(client, short, args.idle_requests)
-        out["idle"] = {"latency_short": _lat(idle), "errors": _errors(idle)}
+        out["idle"] = {"latency_short": short_latency(idle), "errors": error_kinds(idle)}
         log(f"  p50 {out['idle']['latency_short']['p50_s']}s, p95 "
             f"{out['idle']['latency_short']['p95_s']}s")
 
@@ -171,7 +171,7 @@ async def run_service(args: argparse.Namespace, work: Path, clips: list[Clip],
             log(f"service: WER pass, {len(clips)} clips, {args.clients} at a time")
             wer_pass = await all_at_once(client, clips, args.clients)
             texts = {r.clip.id: r.text for r in wer_pass if r.ok}
-            out["wer_pass"] = {"texts": texts, "errors": _errors(wer_pass)}
+            out["wer_pass"] = {"texts": texts, "errors": error_kinds(wer_pass)}
             await client.wait_idle(pid)
 
         if "load" not in skip:

@@ -20,11 +20,11 @@ def log(msg: str) -> None:
     print(f"[bench {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
-def _lat(results: list[Any]) -> dict[str, Any]:
+def short_latency(results: list[Any]) -> dict[str, Any]:
     return latency_summary([r.latency for r in results if r.ok])
 
 
-def _errors(results: list[Any]) -> list[str]:
+def error_kinds(results: list[Any]) -> list[str]:
     return sorted({r.error or "" for r in results if not r.ok})[:5]
 
 
