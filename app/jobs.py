@@ -86,7 +86,7 @@ class JobRunner:
             log.info("resuming %d job(s) interrupted by the last stop", n)
         self._tasks = [asyncio.create_task(self._claim_loop(), name="claim"),
                        asyncio.create_task(Upkeep(self).loop(), name="maintenance")]
-        self._wake.set()
+        self.wake()
 
     async def stop(self, grace_s: float) -> None:
         """Stop claiming, let the batch in flight finish, leave the rest queued."""
@@ -96,7 +96,7 @@ class JobRunner:
         log.info("draining", extra={"active_jobs": len(self.active), "grace_s": grace_s})
         # The claim loop is told to stop, never cancelled: a cancel landing while its claim
         # commits would leave jobs "running" with no task behind them. Maintenance can be.
-        self._wake.set()
+        self.wake()
         for t in self._tasks:
             if t.get_name() != "claim":
                 t.cancel()
@@ -141,7 +141,7 @@ class JobRunner:
             upload_path=key, options=_options_dict(options), audio_seconds=audio_seconds,
             windows_done=0, attempts=0, callback_url=callback_url,
         )
-        self._wake.set()
+        self.wake()
 
     async def cancel(self, job: JobRow) -> bool:
         if job.status in TERMINAL:
@@ -262,7 +262,7 @@ class JobRunner:
             await self._fail(job, {"type": "internal_error", "message": str(exc)})
         finally:
             self.active.pop(job.id, None)
-            self._wake.set()
+            self.wake()
 
     async def _process(self, job: JobRow) -> None:
         loop = asyncio.get_running_loop()
