@@ -4,8 +4,11 @@ WER, the issue's checks), the Markdown table, and the README block between the b
 
 from __future__ import annotations
 
+import re
+import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +31,69 @@ def error_kinds(results: list[Any]) -> list[str]:
     return sorted({r.error or "" for r in results if not r.ok})[:5]
 
 
+# ---- rounds -----------------------------------------------------------------------------------
+def _bucket_order(label: str) -> float:
+    """Where a histogram label (``"5-6"``, ``"<=0.5"``, ``"17-inf"``) sorts: its first bound."""
+    m = re.search(r"inf|\d+(?:\.\d+)?", label)
+    return float("inf") if m is None or m.group() == "inf" else float(m.group())
+
+
+def _sum_histograms(hists: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    count = sum(h["count"] for h in hists)
+    total = sum(h["count"] * h["mean"] for h in hists if h["count"])
+    dist: dict[str, int] = {}
+    for h in hists:
+        for k, n in h["distribution"].items():
+            dist[k] = dist.get(k, 0) + n
+    return {"count": count, "mean": round(total / count, 3) if count else None,
+            "distribution": dict(sorted(dist.items(), key=lambda kv: _bucket_order(kv[0])))}
+
+
+def combine_rounds(loads: Sequence[dict[str, Any]], latencies: Sequence[float],
+                   short_latencies: Sequence[float]) -> dict[str, Any]:
+    """Several closed-loop rounds as one load result. Throughput is the median round's (one
+    60 s window on a shared VM moves by a few %); latencies are pooled over every round's
+    requests; batch histograms are summed; CPU is the mean of the rounds."""
+    first = loads[0]
+    cpus = [x["cpu"] for x in loads if x.get("cpu")]
+    cpu = None
+    if cpus:
+        cpu = {k: round(statistics.fmean(c[k] for c in cpus), 3)
+               for k in ("process_cores", "engine_thread_cores", "other_cores")}
+        cpu["engine_threads"] = cpus[0]["engine_threads"]
+    return {
+        "clients": first["clients"], "warmup_s": first["warmup_s"],
+        "duration_s": first["duration_s"], "rounds": len(loads),
+        "throughput_x": round(statistics.median(x["throughput_x"] for x in loads), 3),
+        "throughput_x_rounds": [x["throughput_x"] for x in loads],
+        **{k: sum(x[k] for x in loads) for k in ("audio_s", "requests_ok", "requests_failed",
+                                                   "transcripts_differing_from_wer_pass",
+                                                   "transcripts_compared") if k in first},
+        "errors": sorted({e for x in loads for e in x["errors"]})[:5],
+        "latency_all": latency_summary(latencies),
+        "latency_short": latency_summary(short_latencies),
+        **{k: _sum_histograms([x[k] for x in loads])
+           for k in ("batch_size", "batch_fill", "queue_wait", "batch_duration")},
+        "engine_audio_s": round(sum(x["engine_audio_s"] for x in loads), 3),
+        "cpu": cpu,
+    }
+
+
+def engine_limit(res: dict[str, Any]) -> tuple[float | None, list[float]]:
+    """The engine limit the service is compared with, and the per-round values behind it.
+
+    The sweep only *selects* the best configuration: the largest of several noisy
+    measurements is biased up. That configuration is then re-measured right before each
+    service round, and the median of those runs is the limit (the sweep's best value when
+    there were no rounds)."""
+    rounds = [r["engine_limit"]["throughput_x"] for r in res.get("service", {}).get("rounds", [])
+              if r.get("engine_limit")]
+    if rounds:
+        return round(statistics.median(rounds), 3), rounds
+    best = (res.get("engine") or {}).get("best")
+    return (best["throughput_x"] if best else None), []
+
+
 # ---- analysis ---------------------------------------------------------------------------------
 def analyse(res: dict[str, Any], clips: list[Clip]) -> None:
     """Ratios, WER and the pass/fail checks of the issue, added to ``res`` in place."""
@@ -35,7 +101,7 @@ def analyse(res: dict[str, Any], clips: list[Clip]) -> None:
     tput = svc.get("load", {}).get("throughput_x")
     base = res.get("baselines", {}).get("modes", {})
     best = (res.get("engine") or {}).get("best")
-    ratios: dict[str, float | None] = {}
+    ratios: dict[str, Any] = {}
     checks: list[dict[str, Any]] = []
 
     def check(name: str, value: float | None, target: float, higher: bool = True) -> None:
@@ -47,9 +113,16 @@ def analyse(res: dict[str, Any], clips: list[Clip]) -> None:
         b = base.get(k, {}).get("throughput_x")
         ratios[f"service/{k}"] = round(tput / b, 3) if tput and b else None
         check(f"service / baseline ({k})", ratios[f"service/{k}"], TARGETS[k])
-    ratios["service/engine_limit"] = (round(tput / best["throughput_x"], 3)
-                                      if tput and best else None)
+    limit, limit_rounds = engine_limit(res)
+    ratios["engine_limit_x"] = limit
+    ratios["service/engine_limit"] = round(tput / limit, 3) if tput and limit else None
     check("service / engine limit", ratios["service/engine_limit"], TARGETS["engine"])
+    loads = svc.get("load", {}).get("throughput_x_rounds", [])
+    if limit_rounds and len(loads) == len(limit_rounds):
+        ratios["service/engine_limit_rounds"] = [round(s / e, 3)
+                                                 for s, e in zip(loads, limit_rounds, strict=True)]
+    if tput and best:
+        ratios["service/engine_limit_sweep"] = round(tput / best["throughput_x"], 3)
     arrival = (res.get("engine") or {}).get("arrival")
     ratios["service/engine_arrival_order"] = (round(tput / arrival["throughput_x"], 3)
                                               if tput and arrival else None)
@@ -127,7 +200,9 @@ def render_markdown(res: dict[str, Any]) -> str:
         "| --- | --- | --- | --- | --- |",
         f"| **service**, {load.get('clients')} HTTP clients (cap {st.get('max_batch_size')}, "
         f"{layout_name(st.get('engines', 1), st.get('num_workers', 1), st.get('cpu_threads', 1))}, "
-        f"max_wait {st.get('max_wait_ms')} ms) | **{_x(load.get('throughput_x'))}** | | | |",
+        f"max_wait {st.get('max_wait_ms')} ms"
+        + (f"; median of {load['rounds']} rounds" if load.get("rounds", 1) > 1 else "")
+        + f") | **{_x(load.get('throughput_x'))}** | | | |",
     ]
     for k in ("a", "b", "c"):
         if k in base:
@@ -136,15 +211,30 @@ def render_markdown(res: dict[str, Any]) -> str:
                          f"{_x(r.get(f'service/{k}'))} | ≥ {TARGETS[k]}x | {_ok(c)} |")
     if best:
         c = checks.get("service / engine limit")
-        lines.append(f"| engine limit: same windows offline, best of {len(res['engine']['configs'])}"
-                     f" configs = {layout_name(best['engines'], best['workers'], best['threads'])}, batch "
-                     f"{best['batch']} | {_x(best['throughput_x'])} | "
-                     f"{_x(r.get('service/engine_limit'))} | ≥ {TARGETS['engine']}x | {_ok(c)} |")
+        config = (f"best of {len(res['engine']['configs'])} configs = "
+                  f"{layout_name(best['engines'], best['workers'], best['threads'])}, batch "
+                  f"{best['batch']}")
+        rounds = r.get("service/engine_limit_rounds")
+        label = (f"{config} (sweep {_x(best['throughput_x'])}), re-run before each service round,"
+                 f" median of {len(rounds)}" if rounds else config)
+        lines.append(f"| engine limit: same windows offline, {label} | "
+                     f"{_x(r.get('engine_limit_x'))} | {_x(r.get('service/engine_limit'))} | "
+                     f"≥ {TARGETS['engine']}x | {_ok(c)} |")
     arrival = (res.get("engine") or {}).get("arrival")
     if arrival:
         lines.append(f"| engine, same config, windows batched in arrival order (not sorted) | "
                      f"{_x(arrival['throughput_x'])} | {_x(r.get('service/engine_arrival_order'))}"
                      f" | | context |")
+    rounds = svc.get("rounds", [])
+    if len(rounds) > 1:
+        per = r.get("service/engine_limit_rounds") or []
+        lines += ["", f"Service rounds ({load.get('duration_s', 0):.0f} s each after a "
+                  f"{load.get('warmup_s', 0):.0f} s warm-up; the table gives the medians): "
+                  + "; ".join(
+                      f"{k + 1}: service {_x(x['load']['throughput_x'])}"
+                      + (f", engine limit just before {_x(x['engine_limit']['throughput_x'])},"
+                         f" ratio {per[k]:.3f}" if x.get("engine_limit") and k < len(per) else "")
+                      for k, x in enumerate(rounds)) + "."]
     cpu = load.get("cpu")
     if cpu:
         lines += ["", f"Server CPU under load: {cpu['process_cores']} cores, of which its "

@@ -226,6 +226,7 @@ async def closed_loop(client: Client, clips: Sequence[Clip], n_clients: int, war
         "cpu": (cpu_split(pid, cpu["start"], cpu["stop"], duration_s, engine_threads)
                 if pid is not None else None),
         "_results": results,
+        "_counted": ok,  # the requests behind the throughput and latencies above
     }
 
 
