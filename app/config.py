@@ -56,6 +56,13 @@ class ModelSettings(BaseModel):
     pad_margin_s: float = Field(
         8.0, ge=4.0, le=30.0, description="Silence kept after the longest window (dynamic axis)."
     )
+    max_tokens_per_s: float = Field(
+        16.0, ge=0.0, le=100.0,
+        description="Decoding stops after this many tokens per second of a batch's longest "
+        "window (+16). Speech runs at ~3-7 Whisper tokens/s (at most 5 on the corpus); a "
+        "hallucination loop ('uh, uh, uh, ...') otherwise runs to the model's 224 tokens, and its "
+        "batch with it: ~10x a normal window's decode. 0: no cap but the model's.",
+    )
     engines: int = Field(
         0, ge=0, le=64,
         description="Resident model copies (engines); each batch goes to the least loaded one. "

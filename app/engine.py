@@ -29,6 +29,7 @@ HOP_LENGTH = 160  # mel frames of 10 ms
 N_FRAMES = N_SAMPLES // HOP_LENGTH
 TOKENS_PER_SECOND = SAMPLE_RATE / HOP_LENGTH / 2  # encoder positions: 20 ms each
 PAD_STEP_S = 5  # dynamic time axis: padded lengths in 5 s classes (few sub-batches per batch)
+TOKEN_SLACK = 16  # tokens allowed beyond max_tokens_per_s: a 1 s window may still say a phrase
 
 Task = Literal["transcribe", "translate"]
 
@@ -175,6 +176,7 @@ class WhisperEngine:
         self._margin = (
             int(settings.pad_margin_s * SAMPLE_RATE) if settings.time_axis == "dynamic" else None
         )
+        self._tokens_per_s = settings.max_tokens_per_s
         self.info = EngineInfo(model_name, device, compute_type, workers)
         log.info("engine ready: %s", self.info)
 
@@ -229,7 +231,7 @@ class WhisperEngine:
             # looks degenerate by Whisper's own fallback rules (a loop compresses > 2.4; a
             # low-confidence decode of real speech). Rare, so it costs little.
             redo = [k for k, r in enumerate(out)
-                    if r.compression_ratio > 2.4 or (r.avg_logprob < -1.0 and r.no_speech_prob < 0.6)]
+                    if _degenerate(r) or (r.avg_logprob < -1.0 and r.no_speech_prob < 0.6)]
             if redo:
                 again = self._transcribe([windows[k] for k in redo], options, N_SAMPLES)
                 for k, r in zip(redo, again, strict=True):
@@ -304,75 +306,83 @@ class WhisperEngine:
             )
             prompts.append(self.model.get_prompt(tok, previous, without_timestamps=True))
 
+        max_length = self._max_length(windows, prompts)
+        results = self._generate(encoder_output, prompts, options, max_length)
+        out = [self._result(res, lang, prob, tokenizers[lang], options)
+               for (lang, prob), res in zip(languages, results, strict=True)]
+        if max_length < self.model.max_length:
+            # A window that filled the cap without looping holds dense speech (a script whose
+            # words take many tokens each), not a loop: decode it again at the model's limit.
+            full = [k for k, r in enumerate(out)
+                    if len(r.tokens) >= max_length // 2 and not _degenerate(r)]
+            if full:
+                rows = encoder_output if len(full) == len(out) else batch_rows(encoder_output, full)
+                again = self._generate(rows, [prompts[k] for k in full], options,
+                                       self.model.max_length)
+                for k, res in zip(full, again, strict=True):
+                    lang, prob = languages[k]
+                    out[k] = self._result(res, lang, prob, tokenizers[lang], options)
+        if options.word_timestamps:
+            from app.words import align  # imports this module: import it late
+
+            aligned = align(self.model.model, encoder_output, windows, out, tokenizers)
+            for r, words in zip(out, aligned, strict=True):
+                r.words = words
+        return out
+
+    def _generate(self, encoder_output: Any, prompts: list[list[int]], options: DecodeOptions,
+                  max_length: int) -> Any:
         # Same decoding parameters as whisperx's FasterWhisperPipeline, so results match it;
         # a temperature samples as faster-whisper does (top-k 0: the whole distribution).
         search: dict[str, Any] = (
             {"beam_size": 1, "sampling_topk": 0, "sampling_temperature": options.temperature}
             if options.temperature > 0 else {"beam_size": options.beam_size, "patience": 1}
         )
-        results = self.model.model.generate(
-            encoder_output,
-            prompts,
-            length_penalty=1,
-            max_length=self.model.max_length,
-            suppress_blank=True,
-            suppress_tokens=[-1],
-            return_scores=True,
-            return_no_speech_prob=True,
-            **search,
+        return self.model.model.generate(
+            encoder_output, prompts, length_penalty=1, max_length=max_length,
+            suppress_blank=True, suppress_tokens=[-1], return_scores=True,
+            return_no_speech_prob=True, **search,
         )
-        out = []
-        for (lang, prob), res, tok in zip(
-            languages, results, (tokenizers[lang] for lang, _ in languages), strict=True
-        ):
-            ids = res.sequences_ids[0]
-            eot = tok.eot
-            text = tok.tokenizer.decode([t for t in ids if t < eot])
-            cum = res.scores[0] * len(ids)  # undo length_penalty=1, as whisperx does
-            out.append(WindowResult(
-                text=text, language=lang, language_probability=prob,
-                avg_logprob=float(cum / (len(ids) + 1)),
-                no_speech_prob=float(res.no_speech_prob),
-                compression_ratio=compression_ratio(text), tokens=list(ids),
-                temperature=options.temperature,
-            ))
-        if options.word_timestamps:
-            for r, words in zip(out, self._align(encoder_output, windows, out, tokenizers), strict=True):
-                r.words = words
-        return out
 
-    def _align(self, encoder_output: Any, windows: Sequence[Window], results: list[WindowResult],
-               tokenizers: dict[str, Any]) -> list[list[Word]]:
-        """Word times from cross-attention (faster-whisper's method), one ``align`` per language.
+    @staticmethod
+    def _result(res: Any, lang: str, prob: float | None, tok: Any,
+                options: DecodeOptions) -> WindowResult:
+        ids = res.sequences_ids[0]
+        text = tok.tokenizer.decode([t for t in ids if t < tok.eot])
+        cum = res.scores[0] * len(ids)  # undo length_penalty=1, as whisperx does
+        return WindowResult(
+            text=text, language=lang, language_probability=prob,
+            avg_logprob=float(cum / (len(ids) + 1)), no_speech_prob=float(res.no_speech_prob),
+            compression_ratio=compression_ratio(text), tokens=list(ids),
+            temperature=options.temperature,
+        )
 
-        Reuses the batch's encoder output, so word timestamps cost one extra decoder pass over
-        the already-known tokens, not a second model. A batch holds one language except when
-        several jobs' first windows were detected differently: those run as separate groups.
-        """
-        from app.words import word_timings  # imports this module: import it late
+    def _max_length(self, windows: Sequence[Window], prompts: Sequence[Sequence[int]]) -> int:
+        """``max_length`` for a batch's decode: the model's (448), or less for short windows.
 
-        out: list[list[Word]] = [[] for _ in windows]
-        groups: dict[str, list[int]] = {}
-        for k, r in enumerate(results):
-            if any(t < tokenizers[r.language].eot for t in r.tokens):
-                groups.setdefault(r.language, []).append(k)
-        for lang, idx in groups.items():
-            tok = tokenizers[lang]
-            feats = encoder_output if len(idx) == len(windows) else _rows(encoder_output, idx)
-            texts = [[t for t in results[k].tokens if t < tok.eot] for k in idx]
-            frames = [min(N_FRAMES, len(windows[k].audio) // HOP_LENGTH) for k in idx]
-            aligned = self.model.model.align(feats, tok.sot_sequence, texts, frames,
-                                             median_filter_width=7)
-            for k, text, a in zip(idx, texts, aligned, strict=True):
-                out[k] = word_timings(tok, text, a, windows[k])
-        return out
+        A decoder that loops repeats a phrase until this limit, one batch step at a time, so
+        the whole batch waits on it; the cap bounds that cost by the audio's length, and the
+        loop's text is still flagged degenerate. CTranslate2's Whisper generates at most
+        ``max_length // 2`` tokens (openai-whisper's ``sample_len``: 224 of 448), measured here
+        with the 4-token prompt not counted; a longer prompt is added on top to stay safe."""
+        limit = int(self.model.max_length)
+        if not self._tokens_per_s:
+            return limit
+        longest = max(w.duration for w in windows)
+        new = math.ceil(self._tokens_per_s * longest) + TOKEN_SLACK
+        return min(limit, 2 * new + max(len(p) for p in prompts))
 
     def close(self) -> None:
         del self.model
 
 
-def _rows(encoder_output: Any, idx: list[int]) -> Any:
-    """A subset of a batch's encoder output (rare: a batch mixing detected languages)."""
+def _degenerate(r: WindowResult) -> bool:
+    """Whisper's own test for a looping decode: its text compresses more than 2.4x."""
+    return r.compression_ratio > 2.4
+
+
+def batch_rows(encoder_output: Any, idx: list[int]) -> Any:
+    """Some rows of a batch's encoder output (rare: mixed languages, a decode redone)."""
     import ctranslate2
 
     if encoder_output.device != "cpu":

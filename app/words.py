@@ -4,7 +4,8 @@
 decoded without timestamp tokens (whisperx style): CTranslate2's ``align`` gives, per text
 token, the encoder frame its attention heads look at; a word starts where its first token's
 frame jumps. The same two heuristics as faster-whisper keep words at sentence boundaries and
-after the window's leading silence from swallowing the pause. Pure functions, no model here.
+after the window's leading silence from swallowing the pause. ``align`` runs CTranslate2's
+``align`` for a decoded batch (the engine calls it on its own thread); the rest are pure.
 """
 
 from __future__ import annotations
@@ -13,7 +14,16 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from app.engine import SAMPLE_RATE, TOKENS_PER_SECOND, Window, WindowResult, Word
+from app.engine import (
+    HOP_LENGTH,
+    N_FRAMES,
+    SAMPLE_RATE,
+    TOKENS_PER_SECOND,
+    Window,
+    WindowResult,
+    Word,
+    batch_rows,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Sequence
@@ -24,6 +34,30 @@ SENTENCE_END = (".", "?", "!", "。", "？", "！", "…")
 # A sentence longer than either is cut at its best pause: segments stay subtitle-sized.
 MAX_SEGMENT_S = 8.0
 MAX_SEGMENT_CHARS = 100
+
+
+def align(model: Any, encoder_output: Any, windows: Sequence[Window],
+          results: Sequence[WindowResult], tokenizers: dict[str, Any]) -> list[list[Word]]:
+    """Word times from cross-attention (faster-whisper's method), one ``align`` per language.
+
+    Reuses the batch's encoder output, so word timestamps cost one extra decoder pass over
+    the already-known tokens, not a second model. A batch holds one language except when
+    several jobs' first windows were detected differently: those run as separate groups.
+    """
+    out: list[list[Word]] = [[] for _ in windows]
+    groups: dict[str, list[int]] = {}
+    for k, r in enumerate(results):
+        if any(t < tokenizers[r.language].eot for t in r.tokens):
+            groups.setdefault(r.language, []).append(k)
+    for lang, idx in groups.items():
+        tok = tokenizers[lang]
+        feats = encoder_output if len(idx) == len(windows) else batch_rows(encoder_output, idx)
+        texts = [[t for t in results[k].tokens if t < tok.eot] for k in idx]
+        frames = [min(N_FRAMES, len(windows[k].audio) // HOP_LENGTH) for k in idx]
+        aligned = model.align(feats, tok.sot_sequence, texts, frames, median_filter_width=7)
+        for k, text, a in zip(idx, texts, aligned, strict=True):
+            out[k] = word_timings(tok, text, a, windows[k])
+    return out
 
 
 def word_timings(tok: Any, text_tokens: list[int], alignment: Any, window: Window) -> list[Word]:

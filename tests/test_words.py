@@ -17,6 +17,7 @@ from app.config import BatcherSettings
 from app.engine import N_SAMPLES, DecodeOptions, WhisperEngine
 from app.metrics import Metrics
 from app.placement import EngineRunner
+from app.words import align
 from tests.conftest import READ_SPEECH, Clip, Server
 from tests.fakes import FakeEngine, tagged_window
 from tests.wer import normalise
@@ -62,7 +63,7 @@ def test_alignment_is_the_same_in_a_batch_and_alone(engine: WhisperEngine,
                       .numpy() for w in windows]).astype(np.float32)
     mixed = [batch[0], replace(batch[1], language="fr"), *batch[2:]]
     toks = {lang: engine._tokenizer(lang, "transcribe") for lang in ("en", "fr")}
-    regrouped = engine._align(engine.model.encode(feats), windows, mixed, toks)
+    regrouped = align(engine.model.model, engine.model.encode(feats), windows, mixed, toks)
     assert [[x.word for x in ws] for ws in regrouped] == [[x.word for x in r.words or []]
                                                           for r in batch]
 

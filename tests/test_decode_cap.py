@@ -1,0 +1,75 @@
+"""The decode length cap (``MODEL__MAX_TOKENS_PER_S``), on the real model and corpus audio.
+
+A decoder that loops ("uh, uh, uh, ...") runs to the model's 224 tokens, and its whole batch
+waits on it. The cap stops it after a length set by the audio's duration; a window that fills
+the cap *without* looping is dense speech and is decoded again at the model's own limit, so no
+real text is ever cut.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+
+import pytest
+
+from app import audio
+from app.config import ModelSettings, Settings
+from app.engine import TOKEN_SLACK, DecodeOptions, Window, WhisperEngine
+from models.registry import resolve
+from tests.conftest import READ_SPEECH, Clip
+
+LOOPING_CLIP = "mfa-mfa_uhuh"  # 5.8 s of "uh, uh": whisper-base loops on it at any padding
+EN = DecodeOptions(language="en")
+
+
+def make_engine(tokens_per_s: float) -> WhisperEngine:
+    s = Settings()
+    return WhisperEngine(resolve(s.model.name, s.model.cache_dir, True),
+                         ModelSettings(num_workers=1, cpu_threads=2,
+                                       max_tokens_per_s=tokens_per_s), s.model.name)
+
+
+@pytest.fixture(scope="module")
+def uncapped() -> Iterator[WhisperEngine]:
+    eng = make_engine(0.0)
+    yield eng
+    eng.close()
+
+
+def windows_of(clip: Clip) -> list[Window]:
+    return audio.prepare(clip.path, audio.SileroVad(), 3600)[1]
+
+
+@pytest.mark.model
+def test_a_looping_decode_stops_at_the_cap(engine: WhisperEngine, uncapped: WhisperEngine,
+                                           clips: list[Clip]) -> None:
+    (clip,) = [c for c in clips if c.id == LOOPING_CLIP]
+    (window,) = windows_of(clip)
+    loop = uncapped.transcribe_batch([window], EN)[0]
+    assert loop.compression_ratio > 2.4 and len(loop.tokens) == 224  # the premise: it loops
+
+    capped = engine.transcribe_batch([window], EN)[0]
+    cap = math.ceil(Settings().model.max_tokens_per_s * window.duration) + TOKEN_SLACK
+    assert cap < len(capped.tokens) + 4 and len(capped.tokens) <= cap + 2
+    assert capped.compression_ratio > 2.4  # still flagged as the loop it is
+    assert loop.text.startswith(capped.text[:40])  # the same loop, cut shorter
+
+
+@pytest.mark.model
+def test_speech_that_fills_the_cap_is_decoded_again_in_full(uncapped: WhisperEngine,
+                                                            clips: list[Clip]) -> None:
+    """At 0.5 tokens/s read speech fills its cap (~20 tokens) without looping; each such window
+    is redone at the model's limit, so the transcripts equal the uncapped ones."""
+    picked = sorted((c for c in clips if c.set in READ_SPEECH), key=lambda c: c.id)[::3][:8]
+    every = [w for c in picked for w in windows_of(c)]
+    full = uncapped.transcribe_batch(every, EN)
+    dense = [k for k, (w, r) in enumerate(zip(every, full, strict=True))
+             if len(r.tokens) > math.ceil(0.5 * w.duration) + TOKEN_SLACK]
+    assert len(dense) >= 4
+    windows = [every[k] for k in dense]
+    tight = make_engine(0.5)
+    try:
+        assert [r.text for r in tight.transcribe_batch(windows, EN)] == [full[k].text for k in dense]
+    finally:
+        tight.close()
