@@ -290,7 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline-modes", default="a,b,c")
     p.add_argument("--wer-defaults", action="store_true",
                    help="also score baseline (b) on read speech (~30 s more)")
-    p.add_argument("--engine-configs", default="2x1:4,8,16;1x2:16,32;2e1x1:8",
+    p.add_argument("--engine-configs", default="2x1:4,8,16,32;1x2:16,32;2e1x1:8",
                    help="[engines e] workers x threads : batch sizes; ';' between configs")
     p.add_argument("--engine-min-seconds", type=float, default=30.0,
                    help="repeat passes over the windows until this long per batch size (one "
