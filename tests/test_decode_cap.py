@@ -15,7 +15,7 @@ import pytest
 
 from app import audio
 from app.config import ModelSettings, Settings
-from app.engine import TOKEN_SLACK, DecodeOptions, Window, WhisperEngine
+from app.engine import TOKEN_SLACK, DecodeOptions, WhisperEngine, Window
 from models.registry import resolve
 from tests.conftest import READ_SPEECH, Clip
 

@@ -1,22 +1,15 @@
-"""Word error rate with a Whisper-style English normaliser on both sides."""
+"""Word error rate for the tests: the bench's own scorer (loadtest.scoring), as a fraction."""
 
 from __future__ import annotations
 
-import re
+from loadtest.scoring import normalise, wer_percent
 
-import jiwer
-from whisper_normalizer.english import EnglishTextNormalizer
-
-_normalise = EnglishTextNormalizer()
-_MARKUP = re.compile(r"\[[^\]]*\]|<[^>]*>")  # MFA references carry [adif], <VOCNOISE>
-
-
-def normalise(text: str) -> str:
-    return " ".join(_normalise(_MARKUP.sub(" ", text)).split())
+__all__ = ["normalise", "wer"]
 
 
 def wer(references: list[str], hypotheses: list[str]) -> float:
     """Corpus-level WER (errors over all reference words), the figure papers report."""
-    pairs = [(normalise(r), normalise(h)) for r, h in zip(references, hypotheses, strict=True)]
-    pairs = [(r, h) for r, h in pairs if r]
-    return float(jiwer.wer([r for r, _ in pairs], [h for _, h in pairs]))
+    percent = wer_percent(references, hypotheses)
+    if percent is None:
+        raise ValueError("no reference words to score against")
+    return percent / 100.0
