@@ -161,21 +161,23 @@ class WebhookDispatcher:
 
     async def _claim(self, now: float) -> list[JobRow]:
         due = (jobs.c.webhook_status == "pending", jobs.c.webhook_next_at <= now)
-        async with self.store.engine.begin() as conn:
+
+        def claim(conn: sa.Connection) -> list[JobRow]:
             q = (sa.select(jobs.c.id).where(*due).order_by(jobs.c.webhook_next_at)
                  .limit(CLAIM_BATCH).with_for_update(skip_locked=True))
-            ids = [r[0] for r in await conn.execute(q)]
+            ids = [r[0] for r in conn.execute(q)]
             if not ids:
                 return []
-            await conn.execute(jobs.update().where(jobs.c.id.in_(ids), *due)
-                               .values(webhook_next_at=now + self._lease_s))
-            rows = await conn.execute(jobs.select().where(jobs.c.id.in_(ids)))
+            conn.execute(jobs.update().where(jobs.c.id.in_(ids), *due)
+                         .values(webhook_next_at=now + self._lease_s))
+            rows = conn.execute(jobs.select().where(jobs.c.id.in_(ids)))
             return [JobRow(**dict(r._mapping)) for r in rows]
+
+        return await self.store.run(claim)
 
     async def _next_due(self) -> float | None:
         q = sa.select(sa.func.min(jobs.c.webhook_next_at)).where(jobs.c.webhook_status == "pending")
-        async with self.store.engine.connect() as conn:
-            value = (await conn.execute(q)).scalar_one_or_none()
+        value = await self.store.run(lambda c: c.execute(q).scalar_one_or_none())
         return float(value) if value is not None else None
 
     async def _deliver(self, row: JobRow) -> None:
