@@ -274,4 +274,4 @@ class Settings(BaseSettings):
                 if url.startswith(bare):
                     return "postgresql+psycopg://" + url[len(bare):]
             return url
-        return f"sqlite+aiosqlite:///{self.storage.data_dir / 'jobs.db'}"
+        return f"sqlite:///{self.storage.data_dir / 'jobs.db'}"  # run on the store's thread

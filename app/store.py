@@ -1,5 +1,6 @@
-"""Durable job store (SQLAlchemy Core, async): SQLite in WAL mode by default, PostgreSQL to share
-one queue between replicas (``BATCHSCRIBE_STORAGE__DATABASE_URL=postgresql+psycopg://...``).
+"""Durable job store (SQLAlchemy Core, an async API): SQLite in WAL mode by default, each
+transaction run whole on the store's own thread, or PostgreSQL to share one queue between
+replicas (``BATCHSCRIBE_STORAGE__DATABASE_URL=postgresql+psycopg://...``, its async driver).
 
 A job row is committed before the client gets its 202, and the upload is already on disk, so an
 accepted job survives any crash. Jobs move queued -> running (claimed under a lease by one

@@ -6,7 +6,7 @@ cost beside the engine.
 Starts the real app (``create_app``) in a subprocess with a null engine that answers every window
 at once, sends the corpus ``--passes`` times with ``--clients`` uploads in flight, and reports the
 server's CPU milliseconds per request, split by thread (``prep``: fetch, decode, VAD; the event
-loop; the store's aiosqlite threads; AnyIO's pool: spooling and probing). Thread names come from
+loop; the job store's thread; AnyIO's pool: spooling and probing). Thread names come from
 ``py-spy dump`` when py-spy is installed, else the split is by thread id only.
 """
 
