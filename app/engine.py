@@ -306,15 +306,15 @@ class WhisperEngine:
             )
             prompts.append(self.model.get_prompt(tok, previous, without_timestamps=True))
 
-        max_length = self._max_length(windows, prompts)
+        budget, max_length = self._max_length(windows, prompts)
         results = self._generate(encoder_output, prompts, options, max_length)
         out = [self._result(res, lang, prob, tokenizers[lang], options)
                for (lang, prob), res in zip(languages, results, strict=True)]
         if max_length < self.model.max_length:
-            # A window that filled the cap without looping holds dense speech (a script whose
+            # A window that used its budget without looping holds dense speech (a script whose
             # words take many tokens each), not a loop: decode it again at the model's limit.
             full = [k for k, r in enumerate(out)
-                    if len(r.tokens) >= max_length // 2 and not _degenerate(r)]
+                    if len(r.tokens) >= budget and not _degenerate(r)]
             if full:
                 rows = encoder_output if len(full) == len(out) else batch_rows(encoder_output, full)
                 again = self._generate(rows, [prompts[k] for k in full], options,
@@ -357,20 +357,23 @@ class WhisperEngine:
             temperature=options.temperature,
         )
 
-    def _max_length(self, windows: Sequence[Window], prompts: Sequence[Sequence[int]]) -> int:
-        """``max_length`` for a batch's decode: the model's (448), or less for short windows.
+    def _max_length(self, windows: Sequence[Window],
+                    prompts: Sequence[Sequence[int]]) -> tuple[int, int]:
+        """A batch's token budget, and the ``max_length`` that lets every window reach it: the
+        model's (448), or less for short windows.
 
         A decoder that loops repeats a phrase until this limit, one batch step at a time, so
-        the whole batch waits on it; the cap bounds that cost by the audio's length, and the
+        the whole batch waits on it; the budget bounds that cost by the audio's length, and the
         loop's text is still flagged degenerate. CTranslate2's Whisper generates at most
-        ``max_length // 2`` tokens (openai-whisper's ``sample_len``: 224 of 448), measured here
-        with the 4-token prompt not counted; a longer prompt is added on top to stay safe."""
+        ``min(max_length // 2, max_length - prompt + 1)`` tokens (measured here: 448 -> 224
+        with a 4-token prompt, 60 -> 24 with a 37-token one), so ``2 * budget + prompt`` never
+        stops a window short of its budget."""
         limit = int(self.model.max_length)
         if not self._tokens_per_s:
-            return limit
+            return limit, limit
         longest = max(w.duration for w in windows)
-        new = math.ceil(self._tokens_per_s * longest) + TOKEN_SLACK
-        return min(limit, 2 * new + max(len(p) for p in prompts))
+        budget = math.ceil(self._tokens_per_s * longest) + TOKEN_SLACK
+        return budget, min(limit, 2 * budget + max(len(p) for p in prompts))
 
     def close(self) -> None:
         del self.model

@@ -56,20 +56,32 @@ def test_a_looping_decode_stops_at_the_cap(engine: WhisperEngine, uncapped: Whis
     assert loop.text.startswith(capped.text[:40])  # the same loop, cut shorter
 
 
+# ~70 tokens: longer than twice a short window's budget, where CTranslate2's own limit (max_length
+# minus the prompt) is the tighter one.
+LONG_PROMPT = ("A reading from a book in the public domain, recorded by volunteers. The reader "
+               "speaks clearly, at an even pace, with full sentences, proper punctuation and "
+               "capital letters, and no abbreviations; names of people and places are spelled out "
+               "as they appear in the text of the chapter.")
+
+
 @pytest.mark.model
+@pytest.mark.parametrize("prompt", [None, LONG_PROMPT], ids=["no-prompt", "long-prompt"])
 def test_speech_that_fills_the_cap_is_decoded_again_in_full(uncapped: WhisperEngine,
-                                                            clips: list[Clip]) -> None:
+                                                            clips: list[Clip],
+                                                            prompt: str | None) -> None:
     """At 0.5 tokens/s read speech fills its cap (~20 tokens) without looping; each such window
     is redone at the model's limit, so the transcripts equal the uncapped ones."""
+    opts = DecodeOptions(language="en", initial_prompt=prompt)
     picked = sorted((c for c in clips if c.set in READ_SPEECH), key=lambda c: c.id)[::3][:8]
     every = [w for c in picked for w in windows_of(c)]
-    full = uncapped.transcribe_batch(every, EN)
+    full = uncapped.transcribe_batch(every, opts)
     dense = [k for k, (w, r) in enumerate(zip(every, full, strict=True))
              if len(r.tokens) > math.ceil(0.5 * w.duration) + TOKEN_SLACK]
     assert len(dense) >= 4
     windows = [every[k] for k in dense]
     tight = make_engine(0.5)
     try:
-        assert [r.text for r in tight.transcribe_batch(windows, EN)] == [full[k].text for k in dense]
+        assert [r.text for r in tight.transcribe_batch(windows, opts)] == [full[k].text
+                                                                           for k in dense]
     finally:
         tight.close()
