@@ -131,6 +131,23 @@ def offline_engine(args: argparse.Namespace, work: Path, model: str, e: int, w: 
         child_env(not args.no_tcmalloc), work / out, work / "offline.log", timeout=3600)
 
 
+def config_row(e: int, w: int, t: int, res: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
+    """One measured engine configuration: its layout, window order and one batch size's run."""
+    return {"engines": e, "workers": w, "threads": t, "order": res["order"],
+            "windows": res["windows"], **run}
+
+
+def rerun_best(args: argparse.Namespace, work: Path, model: str, best: dict[str, Any],
+               what: str, out: str, *extra: str) -> dict[str, Any]:
+    """The sweep's best layout and batch size, measured again in its own subprocess."""
+    e, w, t, b = best["engines"], best["workers"], best["threads"], best["batch"]
+    log(f"engine limit {what}: {layout_name(e, w, t)}, batch {b} (subprocess)")
+    res = offline_engine(args, work, model, e, w, t, [b], out, *extra)
+    row = config_row(e, w, t, res, res["runs"][0])
+    log(f"  b{b}: {row['throughput_x']}x realtime")
+    return row
+
+
 def run_engine(args: argparse.Namespace, work: Path, model: str) -> dict[str, Any]:
     configs = []
     sequential = None
@@ -140,8 +157,7 @@ def run_engine(args: argparse.Namespace, work: Path, model: str) -> dict[str, An
                              "--texts", *(["--sequential-texts"] if i == 0 else []))
         for r in res["runs"]:
             log(f"  b{r['batch']}: {r['throughput_x']}x realtime, peak RSS {r['peak_rss_mb']} MB")
-            configs.append({"engines": e, "workers": w, "threads": t, "order": res["order"],
-                            "windows": res["windows"], **r})
+            configs.append(config_row(e, w, t, res, r))
         sequential = sequential or res.get("sequential")
     best = max(configs, key=lambda c: c["throughput_x"]) if configs else None
     arrival = None
@@ -149,30 +165,20 @@ def run_engine(args: argparse.Namespace, work: Path, model: str) -> dict[str, An
         # The same best layout and batch, windows batched in corpus order instead of sorted by
         # length: what an engine gets with no queue to group lengths from (context for the
         # ratio; the check stays against the sorted best).
-        e, w, t, b = best["engines"], best["workers"], best["threads"], best["batch"]
-        log(f"engine limit in arrival order: {layout_name(e, w, t)}, batch {b} (subprocess)")
-        res = offline_engine(args, work, model, e, w, t, [b], "engine-arrival.json",
+        arrival = rerun_best(args, work, model, best, "in arrival order", "engine-arrival.json",
                              "--order", "corpus")
-        arrival = {"engines": e, "workers": w, "threads": t, "order": res["order"],
-                   "windows": res["windows"], **res["runs"][0]}
-        log(f"  b{b}: {arrival['throughput_x']}x realtime")
     return {"configs": configs, "best": best, "arrival": arrival, "sequential": sequential}
 
 
 def limit_round(args: argparse.Namespace, work: Path, model: str, best: dict[str, Any],
                 k: int) -> dict[str, Any]:
-    """The sweep's best engine configuration, measured again (before service round ``k``)."""
-    e, w, t, b = best["engines"], best["workers"], best["threads"], best["batch"]
-    log(f"engine limit before round {k + 1}: {layout_name(e, w, t)}, batch {b} (subprocess)")
-    res = offline_engine(args, work, model, e, w, t, [b], f"engine-round{k + 1}.json")
-    run = {"engines": e, "workers": w, "threads": t, "order": res["order"], **res["runs"][0]}
-    log(f"  {run['throughput_x']}x realtime")
-    return run
+    """The sweep's best engine configuration, measured again before service round ``k``."""
+    return rerun_best(args, work, model, best, f"before round {k + 1}", f"engine-round{k + 1}.json")
 
 
 async def run_service(args: argparse.Namespace, work: Path, clips: list[Clip],
                       long_files: list[tuple[Path, float]],
-                      limit_round: Callable[[int], dict[str, Any]] | None) -> dict[str, Any]:
+                      measure_limit: Callable[[int], dict[str, Any]] | None) -> dict[str, Any]:
     env = dict(kv.split("=", 1) for kv in args.server_env)
     env.setdefault("BATCHSCRIBE_MODEL__NAME", args.model)
     settings = effective_settings(env)
@@ -208,7 +214,7 @@ async def run_service(args: argparse.Namespace, work: Path, clips: list[Clip],
             for k in range(args.rounds):
                 # The limit re-measured right before each round (the server idle meanwhile):
                 # a drift of the VM's speed then moves both sides of the ratio.
-                limit = await asyncio.to_thread(limit_round, k) if limit_round else None
+                limit = await asyncio.to_thread(measure_limit, k) if measure_limit else None
                 log(f"service round {k + 1}/{args.rounds}: {args.clients} clients, "
                     f"{args.warmup:.0f}s warm-up + {args.duration:.0f}s")
                 load = await closed_loop(client, clips, args.clients, args.warmup,
