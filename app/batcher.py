@@ -204,10 +204,13 @@ class Batcher:
             return None, deadline
         key = best[1]
         items = self._take(self._groups[key])
-        # A long upload's windows fill decoder batches by themselves: they run both stages in
-        # one call and stay out of the pool, which is for short requests arriving over time.
-        small = self.small_batch
-        staged = self._stages is not None and any(i.job_windows <= small for i in items)
+        # An upload of more windows than a batch holds fills decoder batches by itself: its
+        # windows run both stages in one call and stay out of the pool. An upload of a few
+        # windows (say 50 s: one of 15 s, two of 30 s) does not: its one-call sub-batches of
+        # one or two windows per length decode at ~2-3x the cost per window of a pooled
+        # batch, so it goes through the pool like a short request.
+        cap = self.cap
+        staged = self._stages is not None and any(i.job_windows <= cap for i in items)
         batch = Batch("encode" if staged else "run", key, items)
         if staged:
             self._pool.encoding(items, +1)

@@ -96,8 +96,8 @@ async def test_a_lone_request_is_decoded_right_after_its_encode(rig_factory) -> 
 
 
 async def test_a_long_upload_runs_both_stages_in_one_call(rig_factory) -> None:
-    """An upload with more windows than a quarter of the cap fills batches by itself: it skips
-    the pool, so a short request beside it is not held behind its decodes."""
+    """An upload with more windows than a batch holds fills batches by itself: it skips the
+    pool, so a short request beside it is not held behind its decodes."""
     rig = rig_factory(cap=8, workers=2)
     rig.fake.gate.clear()
     long_futs = rig.batcher.submit("long", [tagged_window(100 + i, 30) for i in range(12)], EN)
@@ -109,6 +109,26 @@ async def test_a_long_upload_runs_both_stages_in_one_call(rig_factory) -> None:
     assert sorted(t for tags in rig.calls("run") for t in tags) == list(range(100, 112))
     stages = [(s, tags) for s, tags in rig.fake.calls if 7 in tags]
     assert stages == [("encode", [7]), ("decode", [7])]  # alone with its length: no wait
+
+
+async def test_an_upload_of_a_few_windows_goes_through_the_pool(rig_factory) -> None:
+    """An upload of more windows than a short request but no more than a batch (three, cap 8)
+    does not fill decoder batches by itself: even encoded in a call of its own, its windows
+    wait in the pool (where other requests' windows of their length join them), not decoded
+    as one-call sub-batches of one or two."""
+    rig = rig_factory(cap=8, workers=2)
+    rig.fake.gate.clear()
+    blocker = rig.batcher.submit("blocker", [tagged_window(999, 4)], EN)
+    await rig.hold()
+    few = rig.batcher.submit("few", [tagged_window(10 + i, s) for i, s in enumerate((12, 29, 29))],
+                             EN)
+    await rig.hold()  # its batch holds its windows only
+    rig.fake.gate.set()
+    results = await gather([*blocker, *few])
+    assert [r.text for r in results] == ["w999", "w10", "w11", "w12"]
+    assert ("encode", [10, 11, 12]) in rig.fake.calls
+    assert rig.calls("run") == []
+    assert sorted(sorted(tags) for tags in rig.calls("decode")) == [[10], [11, 12], [999]]
 
 
 @pytest.mark.parametrize("decode_wait_ms", [0, 60_000])
