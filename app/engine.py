@@ -316,9 +316,8 @@ class WhisperEngine:
             full = [k for k, r in enumerate(out)
                     if len(r.tokens) >= budget and not _degenerate(r)]
             if full:
-                rows = encoder_output if len(full) == len(out) else batch_rows(encoder_output, full)
-                again = self._generate(rows, [prompts[k] for k in full], options,
-                                       self.model.max_length)
+                again = self._generate(batch_rows(encoder_output, full), [prompts[k] for k in full],
+                                       options, self.model.max_length)
                 for k, res in zip(full, again, strict=True):
                     lang, prob = languages[k]
                     out[k] = self._result(res, lang, prob, tokenizers[lang], options)
@@ -385,9 +384,11 @@ def _degenerate(r: WindowResult) -> bool:
 
 
 def batch_rows(encoder_output: Any, idx: list[int]) -> Any:
-    """Some rows of a batch's encoder output (rare: mixed languages, a decode redone)."""
+    """Rows ``idx`` of a batch's encoder output; all of them: the output itself, no copy."""
     import ctranslate2
 
+    if idx == list(range(encoder_output.shape[0])):
+        return encoder_output
     if encoder_output.device != "cpu":
         encoder_output = encoder_output.to_device(ctranslate2.Device.cpu)
     return ctranslate2.StorageView.from_array(np.ascontiguousarray(np.asarray(encoder_output)[idx]))

@@ -158,34 +158,19 @@ class JobStore:
         return await self.run(lambda c: [_row(r) for r in c.execute(q)])
 
     async def claim(self, replica: str, limit: int, lease_s: float) -> builtins.list[JobRow]:
-        """Take up to ``limit`` queued jobs, oldest first, under a lease for ``replica``.
-
-        On PostgreSQL ``FOR UPDATE SKIP LOCKED`` lets replicas claim concurrently without
-        taking each other's rows; SQLite serialises writers, which gives the same guarantee.
-        """
+        """Take up to ``limit`` queued jobs, oldest first, under a lease for ``replica``."""
         if limit <= 0:
             return []
 
-        def claim(conn: sa.Connection) -> builtins.list[JobRow]:
-            q = (
-                sa.select(jobs.c.id).where(jobs.c.status == "queued")
-                .order_by(jobs.c.created_at).limit(limit)
-                .with_for_update(skip_locked=True)
-            )
-            ids = [r[0] for r in conn.execute(q)]
-            if not ids:
-                return []
+        def values() -> dict[str, Any]:
             now = time.time()  # after the select: never earlier than the rows' created_at
-            conn.execute(
-                jobs.update().where(jobs.c.id.in_(ids), jobs.c.status == "queued").values(
-                    status="running", lease_owner=replica, replica=replica,
-                    lease_expires_at=now + lease_s,
-                    started_at=sa.func.coalesce(jobs.c.started_at, now),
-                    attempts=jobs.c.attempts + 1,
-                )
-            )
-            rows = conn.execute(jobs.select().where(jobs.c.id.in_(ids)))
-            return sorted((_row(r) for r in rows), key=lambda j: j.created_at)
+            return {"status": "running", "lease_owner": replica, "replica": replica,
+                    "lease_expires_at": now + lease_s,
+                    "started_at": sa.func.coalesce(jobs.c.started_at, now),
+                    "attempts": jobs.c.attempts + 1}
+
+        def claim(conn: sa.Connection) -> builtins.list[JobRow]:
+            return claim_rows(conn, (jobs.c.status == "queued",), jobs.c.created_at, limit, values)
 
         return await self.run(claim)
 
@@ -269,6 +254,24 @@ class JobStore:
             jobs.c.status.in_(("queued", "running"))
         )
         return await self.run(lambda c: float(c.execute(q).scalar_one()))
+
+
+def claim_rows(conn: sa.Connection, where: tuple[sa.ColumnElement[bool], ...],
+               order: sa.ColumnElement[Any], limit: int,
+               values: Callable[[], dict[str, Any]]) -> builtins.list[JobRow]:
+    """Take up to ``limit`` rows matching ``where``, in ``order``: set ``values()`` (called
+    after the select) on them and return them, in that order. Jobs and webhooks claim this way.
+
+    On PostgreSQL ``FOR UPDATE SKIP LOCKED`` lets replicas claim concurrently without taking
+    each other's rows; SQLite serialises writers, which gives the same guarantee.
+    """
+    q = (sa.select(jobs.c.id).where(*where).order_by(order).limit(limit)
+         .with_for_update(skip_locked=True))
+    ids = [r[0] for r in conn.execute(q)]
+    if not ids:
+        return []
+    conn.execute(jobs.update().where(jobs.c.id.in_(ids), *where).values(**values()))
+    return [_row(r) for r in conn.execute(jobs.select().where(jobs.c.id.in_(ids)).order_by(order))]
 
 
 class _SqliteThread:

@@ -30,7 +30,7 @@ import sqlalchemy as sa
 
 from app.config import WebhookSettings
 from app.errors import BadRequest
-from app.store import JobRow, JobStore, jobs
+from app.store import JobRow, JobStore, claim_rows, jobs
 
 log = logging.getLogger(__name__)
 
@@ -163,15 +163,8 @@ class WebhookDispatcher:
         due = (jobs.c.webhook_status == "pending", jobs.c.webhook_next_at <= now)
 
         def claim(conn: sa.Connection) -> list[JobRow]:
-            q = (sa.select(jobs.c.id).where(*due).order_by(jobs.c.webhook_next_at)
-                 .limit(CLAIM_BATCH).with_for_update(skip_locked=True))
-            ids = [r[0] for r in conn.execute(q)]
-            if not ids:
-                return []
-            conn.execute(jobs.update().where(jobs.c.id.in_(ids), *due)
-                         .values(webhook_next_at=now + self._lease_s))
-            rows = conn.execute(jobs.select().where(jobs.c.id.in_(ids)))
-            return [JobRow(**dict(r._mapping)) for r in rows]
+            return claim_rows(conn, due, jobs.c.webhook_next_at, CLAIM_BATCH,
+                              lambda: {"webhook_next_at": now + self._lease_s})
 
         return await self.store.run(claim)
 

@@ -51,7 +51,7 @@ def align(model: Any, encoder_output: Any, windows: Sequence[Window],
             groups.setdefault(r.language, []).append(k)
     for lang, idx in groups.items():
         tok = tokenizers[lang]
-        feats = encoder_output if len(idx) == len(windows) else batch_rows(encoder_output, idx)
+        feats = batch_rows(encoder_output, idx)
         texts = [[t for t in results[k].tokens if t < tok.eot] for k in idx]
         frames = [min(N_FRAMES, len(windows[k].audio) // HOP_LENGTH) for k in idx]
         aligned = model.align(feats, tok.sot_sequence, texts, frames, median_filter_width=7)
