@@ -224,10 +224,11 @@ def main(argv: list[str] | None = None) -> int:
         proc.send_signal(signal.SIGTERM)
         proc.wait(120)
 
-    result = {
+    summary = summarise(samples, warmup, args.duration)
+    result: dict[str, Any] = {
         "config": {**{k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
                    "warmup_s": warmup, "clips": len(clips)},
-        "summary": summarise(samples, warmup, args.duration),
+        "summary": summary,
         "requests": dict(sorted(soak.status.items())), "jobs_completed": soak.jobs_done,
         "uploads_of_audio": soak.audio_files, "errors": soak.errors[:50],
         "error_count": len(soak.errors), "healthy_at_end": healthy,
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.write_text(json.dumps(result, indent=2))
     print(json.dumps({k: result[k] for k in ("summary", "requests", "error_count")}, indent=2))
     tmp.cleanup()
-    return 0 if not soak.errors and healthy and result["summary"]["verdict"] == "flat" else 1
+    return 0 if not soak.errors and healthy and summary["verdict"] == "flat" else 1
 
 
 if __name__ == "__main__":
