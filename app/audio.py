@@ -10,13 +10,14 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import av
 import numpy as np
 
 from app.engine import N_SAMPLES, SAMPLE_RATE, WINDOW_S, Window
 from app.errors import InvalidAudio, PayloadTooLarge, UnsupportedMedia
+from app.vad import Vad
 
 log = logging.getLogger(__name__)
 
@@ -164,46 +165,6 @@ def decode(path: Path, max_audio_s: float) -> np.ndarray:
     if not chunks:
         raise InvalidAudio("the upload contains no decodable audio samples")
     return np.concatenate(chunks).astype(np.float32) / 32768.0
-
-
-class Vad(Protocol):
-    def speech(self, audio: np.ndarray) -> list[tuple[float, float]]: ...
-
-
-class SileroVad:
-    """faster-whisper's Silero VAD (ONNX, shipped in its wheel): ~760x realtime on 2 CPU cores."""
-
-    def speech(self, audio: np.ndarray) -> list[tuple[float, float]]:
-        from faster_whisper.vad import VadOptions, get_speech_timestamps
-
-        opts = VadOptions(threshold=0.5, max_speech_duration_s=WINDOW_S, min_silence_duration_ms=160)
-        ts = get_speech_timestamps(audio, opts, sampling_rate=SAMPLE_RATE)
-        return [(t["start"] / SAMPLE_RATE, t["end"] / SAMPLE_RATE) for t in ts]
-
-
-class PyannoteVad:
-    """whisperx's pyannote VAD (weights in the whisperx wheel), with whisperx's thresholds."""
-
-    def __init__(self, device: str) -> None:
-        import torch
-        from whisperx.vads import Pyannote
-
-        self._model = Pyannote(torch.device(device), vad_onset=0.5, vad_offset=0.363, chunk_size=30)
-
-    def speech(self, audio: np.ndarray) -> list[tuple[float, float]]:
-        import torch
-        from whisperx.vads import Pyannote
-
-        with torch.inference_mode():
-            scores = self._model({"waveform": Pyannote.preprocess_audio(audio),
-                                  "sample_rate": SAMPLE_RATE})
-        merged = Pyannote.merge_chunks(scores, WINDOW_S, onset=0.5, offset=0.363)
-        # merge_chunks already packs regions into <= 30 s chunks; return their spans.
-        return [(float(m["start"]), float(m["end"])) for m in merged]
-
-
-def make_vad(kind: str, device: str) -> Vad:
-    return PyannoteVad(device) if kind == "pyannote" else SileroVad()
 
 
 def cut_windows(audio: np.ndarray, regions: list[tuple[float, float]]) -> list[Window]:

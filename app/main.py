@@ -21,7 +21,6 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api import events, health, jobs, openai, transcribe
 from app.api.limits import install_limits
-from app.audio import make_vad
 from app.batcher import Batcher
 from app.blobs import make_blobs
 from app.config import Settings
@@ -35,6 +34,7 @@ from app.security import install_security
 from app.stages import Stages
 from app.state import AppState
 from app.store import JobStore, StoreInUse, lock_sqlite
+from app.vad import make_vad
 from app.webhooks import WebhookDispatcher
 from models.registry import ModelUnavailable, broken_model_message, resolve
 

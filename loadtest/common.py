@@ -263,8 +263,9 @@ def cut_corpus(clips: Sequence[Clip], cache_dir: Path | None = None) -> list[Cli
     """Every clip through app.audio (decode, Silero VAD, cut_windows); cached as .npz."""
     import numpy as np
 
-    from app.audio import SileroVad, cut_windows, decode
+    from app.audio import cut_windows, decode
     from app.engine import SAMPLE_RATE, Window
+    from app.vad import SileroVad
 
     key = hashlib.sha256(json.dumps([c.id for c in clips]).encode()).hexdigest()[:16]
     cache = cache_dir / f"windows-{key}.npz" if cache_dir else None

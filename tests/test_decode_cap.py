@@ -16,6 +16,7 @@ import pytest
 from app import audio
 from app.config import ModelSettings, Settings
 from app.engine import TOKEN_SLACK, DecodeOptions, WhisperEngine, Window
+from app.vad import SileroVad
 from models.registry import resolve
 from tests.conftest import READ_SPEECH, Clip
 
@@ -38,7 +39,7 @@ def uncapped() -> Iterator[WhisperEngine]:
 
 
 def windows_of(clip: Clip) -> list[Window]:
-    return audio.prepare(clip.path, audio.SileroVad(), 3600)[1]
+    return audio.prepare(clip.path, SileroVad(), 3600)[1]
 
 
 @pytest.mark.model

@@ -30,6 +30,7 @@ from app import audio
 from app.config import BatcherSettings, Settings
 from app.engine import SAMPLE_RATE, EngineInfo
 from app.main import JsonFormatter, create_app
+from app.vad import SileroVad
 from loadtest.common import write_wav16
 from tests.conftest import ROOT, Clip, free_port
 from tests.fakes import FakeEngine
@@ -97,7 +98,7 @@ def long_wav(clips: list[Clip], path: Path, min_s: float) -> Path:
 def vad_audio_seconds(path: Path) -> tuple[int, float]:
     """(windows, speech seconds) the service cuts from ``path`` with the CPU VAD (Silero): what
     ``batchscribe_audio_processed_seconds_total`` counts for that upload."""
-    _, windows = audio.prepare(path, audio.SileroVad(), 4 * 3600)
+    _, windows = audio.prepare(path, SileroVad(), 4 * 3600)
     return len(windows), sum(w.duration for w in windows)
 
 

@@ -215,8 +215,9 @@ def test_engine_count_and_loading(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.model
 async def test_two_real_engines_share_the_batches(clips: list) -> None:
     """Two WhisperEngines (one CTranslate2 thread each) on CPU: batches spread, text right."""
-    from app.audio import make_vad, prepare
+    from app.audio import prepare
     from app.main import load_whisper
+    from app.vad import make_vad
     from tests.wer import wer
 
     settings = Settings(model={"device": "cpu", "engines": 2, "num_workers": 1,  # type: ignore[arg-type]

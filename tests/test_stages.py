@@ -16,6 +16,7 @@ from app.errors import ShuttingDown
 from app.metrics import Metrics
 from app.placement import EngineRunner
 from app.stages import Stages
+from app.vad import SileroVad
 from tests.conftest import Clip
 from tests.fakes import BOUND, FakeStagedEngine, Started, gather, tag_of, tagged_window
 
@@ -217,7 +218,7 @@ def test_real_engine_two_stages_give_the_single_call_transcripts(
         engine: WhisperEngine, clips: list[Clip], language: str | None) -> None:
     """Windows encoded two at a time in arrival order, then decoded per padded length across
     those calls, come out exactly as each window transcribed alone (language detected or not)."""
-    vad = audio.SileroVad()
+    vad = SileroVad()
     picked = sorted(clips, key=lambda c: c.id)[::7][:8]
     windows = [w for c in picked for w in audio.prepare(c.path, vad, 3600)[1]]
     opts = DecodeOptions(language=language)

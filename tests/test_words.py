@@ -17,6 +17,7 @@ from app.config import BatcherSettings
 from app.engine import N_SAMPLES, DecodeOptions, WhisperEngine
 from app.metrics import Metrics
 from app.placement import EngineRunner
+from app.vad import SileroVad
 from app.words import align
 from tests.conftest import READ_SPEECH, Clip, Server
 from tests.fakes import FakeEngine, tagged_window
@@ -46,7 +47,7 @@ async def test_batches_never_mix_word_and_plain_windows() -> None:
 @pytest.mark.model
 def test_alignment_is_the_same_in_a_batch_and_alone(engine: WhisperEngine,
                                                     clips: list[Clip]) -> None:
-    vad = audio.SileroVad()
+    vad = SileroVad()
     picked = [c for c in clips if c.set in READ_SPEECH][:3]
     windows = [w for c in picked for w in audio.prepare(c.path, vad, 3600)[1]]
     opts = DecodeOptions(language="en", word_timestamps=True)

@@ -1,0 +1,76 @@
+"""Silero VAD with its STFT done by FFT (app/vad.py) finds exactly the speech spans that
+faster-whisper's own ``get_speech_timestamps`` finds, on the corpus's real audio."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from app.audio import decode
+from app.vad import BLOCK, CHUNK, SileroVad, speech_spans
+from tests.conftest import Clip
+
+
+def faster_whisper_spans(audio: np.ndarray) -> list[tuple[int, int]]:
+    from faster_whisper.vad import VadOptions, get_speech_timestamps
+
+    opts = VadOptions(threshold=0.5, max_speech_duration_s=30.0, min_silence_duration_ms=160)
+    return [(t["start"], t["end"]) for t in get_speech_timestamps(audio, opts)]
+
+
+@pytest.fixture(scope="module")
+def corpus_audio(clips: list[Clip]) -> list[np.ndarray]:
+    return [decode(c.path, 3600.0) for c in clips]
+
+
+@pytest.fixture(scope="module")
+def vad() -> SileroVad:
+    return SileroVad()
+
+
+def test_the_fft_front_end_is_used_and_matches_the_whole_model(
+        vad: SileroVad, corpus_audio: list[np.ndarray]) -> None:
+    from faster_whisper.vad import get_vad_model
+
+    assert vad.fft
+    model = get_vad_model()
+    for audio in corpus_audio[:20]:
+        ours = vad.probabilities(audio)
+        theirs = model(np.pad(audio, (0, CHUNK - audio.size % CHUNK)))
+        assert ours.shape == theirs.shape
+        assert float(np.abs(ours - theirs).max()) < 1e-4
+
+
+def test_speech_spans_equal_faster_whispers_on_every_corpus_clip(
+        vad: SileroVad, corpus_audio: list[np.ndarray]) -> None:
+    assert len(corpus_audio) >= 80
+    for audio in corpus_audio:
+        assert speech_spans(vad.probabilities(audio), audio.size) == faster_whisper_spans(audio)
+
+
+def test_long_audio_and_edge_cases(vad: SileroVad, corpus_audio: list[np.ndarray]) -> None:
+    # Longer than one onnxruntime block (the LSTM state carries over) and than 30 s of speech
+    # (spans are split), then silence, less than one chunk, exactly one chunk.
+    long = np.concatenate(corpus_audio)
+    assert long.size > BLOCK * CHUNK
+    cases = [long, np.zeros(16000, np.float32), long[:100], long[:CHUNK]]
+    for audio in cases:
+        assert speech_spans(vad.probabilities(audio), audio.size) == faster_whisper_spans(audio)
+    spans = vad.speech(long)
+    assert len(spans) > 30 and max(e - s for s, e in spans) <= 30.0
+    assert vad.speech(np.zeros(16000, np.float32)) == []
+
+
+class BrokenFrontEnd(SileroVad):
+    """A model whose first layer is not the STFT the FFT computes (fault injection)."""
+
+    def _magnitude(self, x: np.ndarray) -> np.ndarray:
+        return np.zeros_like(super()._magnitude(x))
+
+
+def test_a_front_end_that_disagrees_falls_back_to_the_whole_model(
+        corpus_audio: list[np.ndarray]) -> None:
+    vad = BrokenFrontEnd()
+    assert not vad.fft
+    for audio in corpus_audio[:10]:
+        assert speech_spans(vad.probabilities(audio), audio.size) == faster_whisper_spans(audio)
