@@ -66,6 +66,14 @@ jobs = sa.Table(
 )
 WEBHOOK_ON = ("done", "failed")  # final statuses that are delivered to a job's callback_url
 
+# Statements run on every request, built once: building one (coercing each operand, creating
+# SQL function objects) cost more of the event loop's CPU than running it on the store thread.
+INSERT = jobs.insert()
+GET = jobs.select().where(jobs.c.id == sa.bindparam("job_id"))
+QUEUED_AUDIO = sa.select(sa.func.coalesce(sa.func.sum(jobs.c.audio_seconds), 0.0)).where(
+    jobs.c.status.in_(("queued", "running")))
+COUNTS = sa.select(jobs.c.status, sa.func.count()).group_by(jobs.c.status)
+
 
 @dataclass
 class JobRow:
@@ -146,10 +154,10 @@ class JobStore:
             await self.engine.dispose()
 
     async def insert(self, **values: Any) -> None:
-        await self.run(lambda c: c.execute(jobs.insert().values(**values)))
+        await self.run(lambda c: c.execute(INSERT, values))
 
     async def get(self, job_id: str) -> JobRow | None:
-        r = await self.run(lambda c: c.execute(jobs.select().where(jobs.c.id == job_id)).first())
+        r = await self.run(lambda c: c.execute(GET, {"job_id": job_id}).first())
         return _row(r) if r else None
 
     async def list(self, owner: str | None, limit: int = 100) -> builtins.list[JobRow]:
@@ -246,14 +254,10 @@ class JobStore:
             await self.run(lambda c: c.execute(jobs.delete().where(jobs.c.id.in_(ids))))
 
     async def counts(self) -> dict[str, int]:
-        q = sa.select(jobs.c.status, sa.func.count()).group_by(jobs.c.status)
-        return await self.run(lambda c: {s: int(n) for s, n in c.execute(q)})
+        return await self.run(lambda c: {s: int(n) for s, n in c.execute(COUNTS)})
 
     async def queued_audio_seconds(self) -> float:
-        q = sa.select(sa.func.coalesce(sa.func.sum(jobs.c.audio_seconds), 0.0)).where(
-            jobs.c.status.in_(("queued", "running"))
-        )
-        return await self.run(lambda c: float(c.execute(q).scalar_one()))
+        return await self.run(lambda c: float(c.execute(QUEUED_AUDIO).scalar_one()))
 
 
 def claim_rows(conn: sa.Connection, where: tuple[sa.ColumnElement[bool], ...],
