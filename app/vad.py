@@ -15,12 +15,18 @@ VAD runs in the prep pool, never on the event loop. It is ~1 ms of CPU per audio
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Any, Protocol
 
 import numpy as np
 
 from app.engine import SAMPLE_RATE, WINDOW_S
+
+# pyannote.audio (whisperx's VAD) ships telemetry switched on: loading one of its models sends a
+# span to otel.pyannote.ai. A server does not phone home unless its operator says so; this runs
+# before whisperx (and so pyannote) is imported, and an explicit setting is kept.
+os.environ.setdefault("PYANNOTE_METRICS_ENABLED", "false")
 
 log = logging.getLogger(__name__)
 

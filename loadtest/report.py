@@ -167,6 +167,11 @@ def _x(v: float | None, suffix: str = "x") -> str:
     return "–" if v is None else f"{v:.1f}{suffix}" if v >= 10 else f"{v:.2f}{suffix}"
 
 
+def _x3(v: float | None) -> str:
+    """A ratio checked against a threshold: three decimals, so 0.899 never reads as 0.90."""
+    return "–" if v is None else f"{v:.3f}x"
+
+
 def _s(v: float | None) -> str:
     return "–" if v is None else f"{v:.2f} s"
 
@@ -218,7 +223,7 @@ def render_markdown(res: dict[str, Any]) -> str:
         label = (f"{config} (sweep {_x(best['throughput_x'])}), re-run before each service round,"
                  f" median of {len(rounds)}" if rounds else config)
         lines.append(f"| engine limit: same windows offline, {label} | "
-                     f"{_x(r.get('engine_limit_x'))} | {_x(r.get('service/engine_limit'))} | "
+                     f"{_x(r.get('engine_limit_x'))} | {_x3(r.get('service/engine_limit'))} | "
                      f"≥ {TARGETS['engine']}x | {_ok(c)} |")
     arrival = (res.get("engine") or {}).get("arrival")
     if arrival:

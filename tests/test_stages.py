@@ -101,13 +101,18 @@ async def test_a_long_upload_runs_both_stages_in_one_call(rig_factory) -> None:
     pool, so a short request beside it is not held behind its decodes."""
     rig = rig_factory(cap=8, workers=2)
     rig.fake.gate.clear()
-    long_futs = rig.batcher.submit("long", [tagged_window(100 + i, 30) for i in range(12)], EN)
+    # Ten windows: a full batch, then a small one on the last free worker (cap/4), so none is
+    # left queued. A leftover would share the short request's batch whenever both calls end
+    # before the next pick (nothing running, every job has had its turn): a timing race.
+    long_futs = rig.batcher.submit("long", [tagged_window(100 + i, 30) for i in range(10)], EN)
     await rig.hold(2)
+    assert rig.batcher.pending() == 0  # all ten taken by the two held calls
     short = rig.batcher.submit("short", [tagged_window(7, 4)], EN)
     rig.fake.gate.set()
     results = await gather([*long_futs, *short])
     assert all(not isinstance(r, BaseException) for r in results)
-    assert sorted(t for tags in rig.calls("run") for t in tags) == list(range(100, 112))
+    assert sorted(len(tags) for tags in rig.calls("run")) == [2, 8]
+    assert sorted(t for tags in rig.calls("run") for t in tags) == list(range(100, 110))
     stages = [(s, tags) for s, tags in rig.fake.calls if 7 in tags]
     assert stages == [("encode", [7]), ("decode", [7])]  # alone with its length: no wait
 

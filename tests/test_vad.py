@@ -74,3 +74,22 @@ def test_a_front_end_that_disagrees_falls_back_to_the_whole_model(
     assert not vad.fft
     for audio in corpus_audio[:10]:
         assert speech_spans(vad.probabilities(audio), audio.size) == faster_whisper_spans(audio)
+
+
+@pytest.mark.parametrize("env, enabled", [(None, "False"), ("true", "True")])
+def test_pyannote_telemetry_is_off_unless_the_operator_turns_it_on(env: str | None,
+                                                                   enabled: str) -> None:
+    """pyannote.audio (whisperx's VAD) ships telemetry on: loading a model sends a span to
+    otel.pyannote.ai. Importing the app switches it off first; an explicit setting is kept."""
+    import os
+    import subprocess
+    import sys
+
+    child = {k: v for k, v in os.environ.items() if k != "PYANNOTE_METRICS_ENABLED"}
+    if env is not None:
+        child["PYANNOTE_METRICS_ENABLED"] = env
+    code = ("import app.main, whisperx.vads, pyannote.audio.telemetry.metrics as m; "
+            "print(m.is_metrics_enabled())")
+    out = subprocess.run([sys.executable, "-c", code], env=child, capture_output=True, text=True,
+                         timeout=300, check=True).stdout.strip().splitlines()
+    assert out[-1] == enabled
