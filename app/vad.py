@@ -42,10 +42,15 @@ class Vad(Protocol):
     def speech(self, audio: np.ndarray) -> list[tuple[float, float]]: ...
 
 
+def _padded(audio: np.ndarray) -> np.ndarray:
+    """Whole chunks, as faster-whisper pads (a full extra chunk when already whole); a copy."""
+    return np.pad(audio.astype(np.float32, copy=False), (0, CHUNK - audio.size % CHUNK))
+
+
 def _session(model: bytes) -> Any:
     import onnxruntime
 
-    opts = onnxruntime.SessionOptions()  # faster-whisper's: one thread, no arena
+    opts = onnxruntime.SessionOptions()  # as faster-whisper's SileroVADModel: 1 thread, no arena
     opts.inter_op_num_threads = 1
     opts.intra_op_num_threads = 1
     opts.enable_cpu_mem_arena = False
@@ -57,26 +62,26 @@ def _session(model: bytes) -> Any:
 class SileroVad:
     """faster-whisper's Silero VAD model and thresholds; the STFT by FFT (see the module doc)."""
 
-    def __init__(self, fft: bool = True) -> None:
+    def __init__(self) -> None:
         import onnx
         import onnx.utils
         from faster_whisper.utils import get_assets_path
+        from faster_whisper.vad import SileroVADModel
 
-        model = onnx.load(str(Path(get_assets_path()) / "silero_vad_v6.onnx"))
-        self._whole = _session(model.SerializeToString())
-        self._tail: Any = None
+        path = str(Path(get_assets_path()) / "silero_vad_v6.onnx")
+        # faster-whisper's own model call: the reference of the start-up check, and the fallback.
+        self._whole = SileroVADModel(path)
         self._window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)).astype(np.float32)
-        if fft:
-            tail = onnx.utils.Extractor(model).extract_model(
-                [MAGNITUDE, "h", "c"], ["speech_probs", "hn", "cn"])
-            self._tail = _session(tail.SerializeToString())
-            probe = np.random.default_rng(0).standard_normal(CHUNK * 64).astype(np.float32)
-            probe *= np.linspace(0.0, 0.5, probe.size, dtype=np.float32)
-            diff = float(np.abs(self.probabilities(probe) - self._probabilities(probe, False)).max())
-            if not diff < AGREE:  # a model whose first layer is not this STFT
-                log.warning("Silero VAD: the FFT front end differs from the model's by %.2g; "
-                            "running the whole model", diff)
-                self._tail = None
+        tail = onnx.utils.Extractor(onnx.load(path)).extract_model(
+            [MAGNITUDE, "h", "c"], ["speech_probs", "hn", "cn"])
+        self._tail: Any = _session(tail.SerializeToString())
+        probe = np.random.default_rng(0).standard_normal(CHUNK * 64).astype(np.float32)
+        probe *= np.linspace(0.0, 0.5, probe.size, dtype=np.float32)
+        diff = float(np.abs(self.probabilities(probe) - self._whole(_padded(probe))).max())
+        if not diff < AGREE:  # a model whose first layer is not this STFT
+            log.warning("Silero VAD: the FFT front end differs from the model's by %.2g; "
+                        "running the whole model", diff)
+            self._tail = None
 
     @property
     def fft(self) -> bool:
@@ -84,13 +89,12 @@ class SileroVad:
 
     def probabilities(self, audio: np.ndarray) -> np.ndarray:
         """One speech probability per 512 samples, as faster-whisper's model call returns them."""
-        return self._probabilities(audio, self._tail is not None)
-
-    def _probabilities(self, audio: np.ndarray, fft: bool) -> np.ndarray:
-        # faster-whisper pads to whole chunks (a full extra chunk when already whole), prepends
-        # each chunk with the previous one's last 64 samples (zeros for the first), and, through
-        # a view, also zeroes the last chunk's own last 64 samples: all kept, for equal output.
-        padded = np.pad(audio.astype(np.float32, copy=False), (0, CHUNK - audio.size % CHUNK))
+        padded = _padded(audio)
+        if self._tail is None:
+            return np.asarray(self._whole(padded))
+        # As faster-whisper's call: each chunk is prepended with the previous one's last 64
+        # samples (zeros for the first), and, through a view there, the last chunk's own last
+        # 64 samples are zeroed too: kept, for equal output.
         chunks = padded.reshape(-1, CHUNK)
         chunks[-1, -CONTEXT:] = 0
         context = np.roll(chunks[:, -CONTEXT:], 1, axis=0)
@@ -99,10 +103,7 @@ class SileroVad:
         out = []
         for i in range(0, len(chunks), BLOCK):  # the LSTM state carries across blocks
             x = np.concatenate([context[i:i + BLOCK], chunks[i:i + BLOCK]], axis=1)
-            if fft:
-                probs, h, c = self._tail.run(None, {MAGNITUDE: self._magnitude(x), "h": h, "c": c})
-            else:
-                probs, h, c = self._whole.run(None, {"input": x, "h": h, "c": c})
+            probs, h, c = self._tail.run(None, {MAGNITUDE: self._magnitude(x), "h": h, "c": c})
             out.append(probs)
         return np.concatenate(out)
 
