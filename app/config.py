@@ -85,7 +85,9 @@ class BatcherSettings(BaseModel):
         "GPUs want more: run `python -m loadtest.sweep` on the target machine.",
     )
     max_wait_ms: int = Field(
-        50, ge=0, le=60_000, description="Oldest window waits at most this long for a fuller batch."
+        50, ge=0, le=60_000, description="Oldest window waits at most this long for a fuller batch. "
+        "Two stages: only windows run in one call wait (an encoder batch costs the same per "
+        "window at any size).",
     )
     split_stages: bool = Field(
         True,

@@ -41,11 +41,12 @@ async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
     started = Started()
 
     def make(cap: int = 2, decode_cap: int = 16, workers: int = 1, decode_wait_ms: int = 60_000,
-             fail: Callable[[str, Sequence[Window]], None] | None = None) -> Rig:
+             fail: Callable[[str, Sequence[Window]], None] | None = None,
+             wait_ms: int = 10) -> Rig:
         fake = FakeStagedEngine(workers=workers, fail=fail)
         runner = EngineRunner(fake)
         settings = BatcherSettings(max_batch_size=cap, max_decode_batch_size=decode_cap,
-                                   max_wait_ms=10, max_decode_wait_ms=decode_wait_ms)
+                                   max_wait_ms=wait_ms, max_decode_wait_ms=decode_wait_ms)
         metrics = Metrics()
         b = Batcher(runner.run, settings, workers, metrics,
                     stages=Stages(runner.encode, runner.decode, fake.padded_samples))
@@ -91,6 +92,16 @@ async def test_decoder_batches_respect_their_own_cap(rig_factory) -> None:
 
 async def test_a_lone_request_is_decoded_right_after_its_encode(rig_factory) -> None:
     rig = rig_factory(cap=2)
+    [res] = await gather(rig.batcher.submit("j", [tagged_window(5, 4)], EN))
+    assert res.text == "w5"
+    assert rig.fake.calls == [("encode", [5]), ("decode", [5])]
+
+
+async def test_windows_to_encode_do_not_wait_for_a_fuller_batch(rig_factory) -> None:
+    """max_wait_ms buys a fuller batch for one-call batches only: an encoder batch costs the
+    same per window at any size. With a one-minute max_wait a lone request still runs at once
+    (``gather`` gives up after BOUND, half that)."""
+    rig = rig_factory(cap=8, wait_ms=60_000)
     [res] = await gather(rig.batcher.submit("j", [tagged_window(5, 4)], EN))
     assert res.text == "w5"
     assert rig.fake.calls == [("encode", [5]), ("decode", [5])]
