@@ -9,7 +9,7 @@ A batch leaves when a group of compatible windows reaches the cap, or its oldest
 waited ``max_wait_ms``, and an engine worker is free. Because batches form only when a worker is
 free, windows pile up while the engine is busy and the next batch is full: under load the
 engine runs full batches; when idle, a lone request waits at most ``max_wait_ms`` (with two
-stages, windows to encode do not wait: see _eager).
+stages, windows to encode do not wait: see _to_encode).
 
 Two stages (CPU): a batch may instead be an *encode* of queued windows or a *decode* of
 encoded ones gathered across calls; see app/stages.py.
@@ -175,7 +175,7 @@ class Batcher:
         """The batch to run now, else when to look again.
 
         One stage: a group of queued windows that is full, or whose oldest is due (two stages:
-        or that holds windows to encode, see _eager).
+        or that holds windows to encode, see _to_encode).
         Two stages, in this order: an encoded group that is full or has waited
         ``max_decode_wait_ms``; queued windows to encode, as above (the encoder costs the same
         per window in any batch, so encoding early loses nothing, and the windows it moves to
@@ -192,7 +192,7 @@ class Batcher:
                 continue
             self._groups[key] = live
             oldest = live[0].enqueued
-            if len(live) >= self.limit() or oldest + wait_s <= now or self._eager(live):
+            if len(live) >= self.limit() or oldest + wait_s <= now or self._to_encode(live):
                 if best is None or oldest < best[0]:
                     best = (oldest, key)
             elif deadline is None or oldest + wait_s < deadline:
@@ -212,22 +212,22 @@ class Batcher:
         # one or two windows per length decode at 1.5-2.3x the cost per window of a pooled
         # batch of six (30 s windows, one thread: 461 ms alone, 310 ms in two, 200 ms in six),
         # so it goes through the pool like a short request.
-        cap = self.cap
-        staged = self._stages is not None and any(i.job_windows <= cap for i in items)
+        staged = self._to_encode(items)
         batch = Batch("encode" if staged else "run", key, items)
         if staged:
             self._pool.encoding(items, +1)
         self._update_gauges()
         return batch, None
 
-    def _eager(self, live: list[Item]) -> bool:
-        """Two stages: windows that will be encoded (not run in one call) need not wait for a
-        fuller batch. The encoder costs the same per window in a batch of one as of eight;
-        batching pays in the decoder groups they join once encoded. So a lone request no
-        longer waits ``max_wait_ms`` (50 ms) for company; under load, where a worker frees up
-        only after windows have piled up, decoder batches stayed the same (32 clients: mean
-        8.2 both ways)."""
-        return self._stages is not None and any(i.job_windows <= self.cap for i in live)
+    def _to_encode(self, items: list[Item]) -> bool:
+        """Two stages: these windows are encoded and pooled, not run in one call (any of them
+        from an upload of at most a batch of windows, see above). They need not wait for a
+        fuller batch either: the encoder costs the same per window in a batch of one as of
+        eight, and batching pays in the decoder groups they join once encoded. So a lone
+        request no longer waits ``max_wait_ms`` (50 ms) for company; under load, where a worker
+        frees up only after windows have piled up, decoder batches stayed the same (32
+        clients: mean 8.2 both ways)."""
+        return self._stages is not None and any(i.job_windows <= self.cap for i in items)
 
     def _pick_decode(self, now: float, idle: bool, among: set[GroupKey] | None = None
                      ) -> tuple[Batch | None, float | None]:
