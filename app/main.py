@@ -21,21 +21,22 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api import events, health, jobs, openai, transcribe
 from app.api.limits import install_limits
-from app.batcher import Batcher
-from app.blobs import make_blobs
+from app.audio.vad import make_vad
+from app.batching.batcher import Batcher
+from app.batching.stages import Stages
 from app.config import Settings
-from app.device import DeviceMonitor, resolve_device
-from app.engine import Engine, StagedEngine, WhisperEngine, size_class
+from app.engine import Engine, StagedEngine
+from app.engine.device import DeviceMonitor, resolve_device
+from app.engine.placement import EnginePool, load_engines, make_pool
+from app.engine.whisper import WhisperEngine, size_class
 from app.errors import install_error_handlers
-from app.jobs import JobRunner
+from app.jobs.blobs import make_blobs
+from app.jobs.runner import JobRunner
+from app.jobs.store import JobStore, StoreInUse, lock_sqlite
+from app.jobs.webhooks import WebhookDispatcher
 from app.metrics import Metrics
-from app.placement import EnginePool, load_engines, make_pool
 from app.security import install_security
-from app.stages import Stages
 from app.state import AppState
-from app.store import JobStore, StoreInUse, lock_sqlite
-from app.vad import make_vad
-from app.webhooks import WebhookDispatcher
 from models.registry import ModelUnavailable, broken_model_message, resolve
 
 log = logging.getLogger("batchscribe")

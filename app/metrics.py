@@ -14,7 +14,7 @@ Definitions (what the numbers mean):
   time is lost to throughput; without failures it equals ``batch_duration_seconds_sum``). Their
   rate ratio is the per-worker live real-time factor; ``rate(audio_processed)`` alone is the
   throughput in audio seconds per second.
-* Batches: with two stages (CPU, app/stages.py) a window goes through an encoder call and then a
+* Batches: with two stages (CPU, app/batching/stages.py) a window goes through an encoder call and then a
   decoder batch. ``batch_size_windows``, ``batches_total{outcome="ok"}`` and ``batch_fill_ratio``
   count the batches that produce transcripts (decoder batches, or single-call ones), so each
   window is counted once; ``batch_duration_seconds`` observes every engine call, encoder calls
@@ -43,7 +43,7 @@ from prometheus_client import (
     disable_created_metrics,
 )
 
-from app.device import MemoryReading
+from app.engine.device import MemoryReading
 
 # The ``_created`` series double the exposition for no use on dashboards or alerts.
 disable_created_metrics()

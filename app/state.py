@@ -8,13 +8,13 @@ from collections import deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from app.batcher import Batcher
+from app.batching.batcher import Batcher
 from app.config import Settings
-from app.device import DeviceMonitor
-from app.jobs import JobRunner
+from app.engine.device import DeviceMonitor
+from app.engine.placement import EnginePool
+from app.jobs.runner import JobRunner
+from app.jobs.store import JobStore
 from app.metrics import Metrics
-from app.placement import EnginePool
-from app.store import JobStore
 
 RECENT_SPEED_S = 300.0  # the window "current speed" is measured over
 MIN_BUSY_S = 5.0  # engine time that window needs before it is trusted over the whole run

@@ -9,7 +9,7 @@ mix, and tcmalloc is preloaded in each as scripts/env.sh does):
 1. baselines (subprocess): faster-whisper one request at a time (a) at the service's decode
    settings, (b) at its defaults, (c) ``num_workers=2`` x 1 thread with two requests in flight;
 2. engine limit (one subprocess per workers x threads): the service's own windows, pre-cut with
-   app.audio, fed to app.engine.WhisperEngine offline at each batch size; the best one counts;
+   app.audio, fed to app.engine.whisper.WhisperEngine offline at each batch size; the best one counts;
 3. the service (``python -m app`` on a free port, temp data dir): idle latency of short clips
    (one client), a WER pass (every clip, batched), then ``--rounds`` rounds of: the best engine
    configuration of phase 2 measured again (subprocess, the server idle), and ``--clients``

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from app.engine import Window
+    from app.windows import Window
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "corpus"))
@@ -264,8 +264,8 @@ def cut_corpus(clips: Sequence[Clip], cache_dir: Path | None = None) -> list[Cli
     import numpy as np
 
     from app.audio import cut_windows, decode
-    from app.engine import SAMPLE_RATE, Window
-    from app.vad import SileroVad
+    from app.audio.vad import SileroVad
+    from app.windows import SAMPLE_RATE, Window
 
     key = hashlib.sha256(json.dumps([c.id for c in clips]).encode()).hexdigest()[:16]
     cache = cache_dir / f"windows-{key}.npz" if cache_dir else None

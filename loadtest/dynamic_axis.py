@@ -45,7 +45,7 @@ FALLBACK_RATIO = 2.4
 
 def padded_length(windows: Sequence[ClipWindow], margin_s: float | None) -> int:
     """Samples every window of the batch is padded to: 30 s, or longest + margin (<= 30 s)."""
-    from app.engine import N_SAMPLES, SAMPLE_RATE
+    from app.windows import N_SAMPLES, SAMPLE_RATE
 
     if margin_s is None:
         return N_SAMPLES
@@ -86,7 +86,7 @@ def transcribe_padded(engine: Any, batch: Sequence[ClipWindow], language: str,
 
 def looks_looped(text: str) -> bool:
     """Whisper's own hallucination test: gzip compression ratio above 2.4 (repetition loops)."""
-    from app.engine import compression_ratio
+    from app.engine.whisper import compression_ratio
 
     return compression_ratio(text) > FALLBACK_RATIO
 
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     from app.config import ModelSettings
-    from app.engine import WhisperEngine
+    from app.engine.whisper import WhisperEngine
 
     sets = None if args.sets == "all" else args.sets.split(",")
     clips = select_clips(load_corpus(), args.clips, sets)

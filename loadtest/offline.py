@@ -5,7 +5,7 @@
   flight on ``num_workers=2`` with one thread each. Each replays the corpus in the fixed order for
   a fixed time and counts audio seconds of finished requests over wall seconds.
 ``engine``: the service's own windows (decode + Silero VAD + cut, via app.audio) fed straight to
-  app.engine.WhisperEngine at given batch sizes, ``engines`` x ``workers`` batches in flight: the
+  app.engine.whisper.WhisperEngine at given batch sizes, ``engines`` x ``workers`` batches in flight: the
   upper bound the service can approach, with no HTTP, job store or batcher.
 
 Usage (normally called by bench.py / sweep.py, which pass ``--out``):
@@ -159,7 +159,8 @@ def make_batches(windows: Sequence[ClipWindow], batch: int, order: str) -> list[
 
 def cmd_engine(args: argparse.Namespace) -> dict[str, Any]:
     from app.config import ModelSettings
-    from app.engine import DecodeOptions, WhisperEngine
+    from app.engine.whisper import WhisperEngine
+    from app.windows import DecodeOptions
 
     clips = read_clips(Path(args.clips))
     corpus_audio = audio_total(clips)
@@ -177,7 +178,7 @@ def cmd_engine(args: argparse.Namespace) -> dict[str, Any]:
         engines = [WhisperEngine(args.model, settings, "bench") for _ in range(args.engines)]
         out["rss_model_loaded_mb"] = sampler.peak_mb
         # One token per worker thread of every engine: a batch runs on whichever engine has a
-        # free thread (what app.placement's least-loaded pool does on CPU).
+        # free thread (what app.engine.placement's least-loaded pool does on CPU).
         free: queue.Queue[Any] = queue.Queue()
         for eng in engines:
             for _ in range(args.workers):

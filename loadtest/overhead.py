@@ -34,7 +34,8 @@ import os, sys
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 import uvicorn
 from app.config import Settings
-from app.engine import EngineInfo, WindowResult
+from app.engine import EngineInfo
+from app.windows import WindowResult
 from app.main import create_app, setup_logging
 
 class NullEngine:

@@ -359,7 +359,7 @@ def write_long_wav(clips: Sequence[Clip], path: Path, min_s: float, gap_s: float
     import numpy as np
 
     from app.audio import decode
-    from app.engine import SAMPLE_RATE
+    from app.windows import SAMPLE_RATE
 
     gap = np.zeros(int(gap_s * SAMPLE_RATE), np.float32)
     parts: list[np.ndarray] = []

@@ -11,7 +11,7 @@ One engine, one worker, one thread (wall time is then CPU time), on the corpus's
    ``sorted``: single calls (``transcribe_batch``) on windows sorted by length, batch 16 (what
    the engine limit does); ``arrival``: single calls in a shuffled (arrival) order, batch 8, as a
    one-stage batcher would see them; ``staged``: the same arrival order encoded 8 at a time,
-   each padded length decoded once 8 of its windows are encoded (what app/stages.py does).
+   each padded length decoded once 8 of its windows are encoded (what app/batching/stages.py does).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     import numpy as np
 
     from app.config import ModelSettings
-    from app.engine import SAMPLE_RATE, DecodeOptions, Encoded, WhisperEngine, Window
+    from app.engine.whisper import WhisperEngine
+    from app.windows import SAMPLE_RATE, DecodeOptions, Encoded, Window
 
     windows = [cw.window for cw in cut_corpus(load_corpus(), args.cache)]
     engine = WhisperEngine(resolve_model(args.model), ModelSettings(

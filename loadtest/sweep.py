@@ -4,7 +4,7 @@
 
 For every allocator x (workers x threads) one subprocess loads the model once and runs the
 service's own windows (decode + Silero VAD + cut, via app.audio) through
-app.engine.WhisperEngine at each batch size in increasing order, ``workers`` batches in flight,
+app.engine.whisper.WhisperEngine at each batch size in increasing order, ``workers`` batches in flight,
 sampling its RSS (tcmalloc keeps freed memory, so the peak at batch B is B's own need as long as
 sizes go up). It prints a table and recommends the service settings: the best throughput whose
 peak RSS stays within ``--memory-budget-mb``, then the smallest batch cap within

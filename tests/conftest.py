@@ -16,7 +16,7 @@ import httpx
 import pytest
 
 from app.config import ModelSettings, Settings
-from app.engine import WhisperEngine
+from app.engine.whisper import WhisperEngine
 from loadtest.common import free_port
 from models.registry import resolve
 

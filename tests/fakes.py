@@ -9,15 +9,8 @@ from typing import Any
 
 import numpy as np
 
-from app.engine import (
-    SAMPLE_RATE,
-    DecodeOptions,
-    Encoded,
-    EngineInfo,
-    Window,
-    WindowResult,
-    Word,
-)
+from app.engine import EngineInfo
+from app.windows import SAMPLE_RATE, DecodeOptions, Encoded, Window, WindowResult, Word
 
 BOUND = 30  # seconds: a bound on waits so a broken batcher fails the test instead of hanging it
 

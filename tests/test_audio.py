@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from app import audio
+from app.audio import media as audio
 from tests.conftest import Clip
 from tests.test_bad_input import encode, huge_header_wav, load, wav
 

@@ -7,12 +7,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 
-from app.batcher import Batcher
+from app.batching.batcher import Batcher
 from app.config import BatcherSettings
-from app.engine import DecodeOptions, Window
+from app.engine.placement import EngineRunner
 from app.errors import ShuttingDown, TranscriptionFailed
 from app.metrics import Metrics
-from app.placement import EngineRunner
+from app.windows import DecodeOptions, Window
 from tests.fakes import BOUND, FakeEngine, Started, gather, tag_of, tagged_window
 
 EN = DecodeOptions(language="en")

@@ -1,4 +1,4 @@
-"""Upload storage any replica can read (app/blobs.py).
+"""Upload storage any replica can read (app/jobs/blobs.py).
 
 The local folder is what tests/test_postgres.py shares between two processes. No S3 server is
 available here (Debian has no MinIO package), so :class:`S3Blobs` runs against an in-memory
@@ -15,8 +15,8 @@ from typing import Any
 
 import pytest
 
-from app.blobs import LocalBlobs, S3Blobs, make_blobs
 from app.config import StorageSettings
+from app.jobs.blobs import LocalBlobs, S3Blobs, make_blobs
 
 
 def test_local_keys_are_relative_and_old_rows_still_resolve(tmp_path: Path) -> None:

@@ -13,10 +13,11 @@ from collections.abc import Iterator
 
 import pytest
 
-from app import audio
+from app.audio import media as audio
+from app.audio.vad import SileroVad
 from app.config import ModelSettings, Settings
-from app.engine import TOKEN_SLACK, DecodeOptions, WhisperEngine, Window
-from app.vad import SileroVad
+from app.engine.whisper import WhisperEngine
+from app.windows import TOKEN_SLACK, DecodeOptions, Window
 from models.registry import resolve
 from tests.conftest import READ_SPEECH, Clip
 

@@ -18,7 +18,7 @@ import pytest
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from app.device import DeviceMonitor, MemoryReading, host_memory, is_oom
+from app.engine.device import DeviceMonitor, MemoryReading, host_memory, is_oom
 from app.metrics import Metrics
 
 GiB = 1 << 30
@@ -152,7 +152,7 @@ def test_env_cuda_visible_devices_is_read(monkeypatch: pytest.MonkeyPatch) -> No
 def test_nvml_missing_falls_back_to_torch(fake_torch: Any, caplog: pytest.LogCaptureFixture) -> None:
     fake_torch.gpus = [(6 * GiB, 8 * GiB)]
     nv = FakeNvml(two_gpus(), init_error="NVML Shared Library Not Found")
-    with caplog.at_level(logging.WARNING, "app.device"):
+    with caplog.at_level(logging.WARNING, "app.engine.device"):
         mon = DeviceMonitor("cuda", nvml=nv, visible="")
         assert mon.read() == [MemoryReading("cuda:0", 2 * GiB, 8 * GiB, None)]
         assert mon.read() == [MemoryReading("cuda:0", 2 * GiB, 8 * GiB, None)]
@@ -174,7 +174,7 @@ def test_nvml_read_error_falls_back_logs_once_and_recovers(
     nv = FakeNvml(two_gpus())
     mon = DeviceMonitor("cuda", nvml=nv, visible="0,1")
     nv.read_error = "GPU is lost"
-    with caplog.at_level(logging.INFO, "app.device"):
+    with caplog.at_level(logging.INFO, "app.engine.device"):
         for _ in range(3):  # every scrape falls back, but the log says it once
             assert [(r.device, r.used_bytes) for r in mon.read()] == [
                 ("cuda:0", 6 * GiB), ("cuda:1", 4 * GiB)]

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import srt
 
-from app import audio
+from app.audio import media as audio
 from tests.conftest import READ_SPEECH, ROOT, Clip, Server
 from tests.wer import wer
 

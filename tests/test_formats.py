@@ -11,9 +11,10 @@ import webvtt
 
 from app.api.openai import verbose_json
 from app.cli import sse_events
-from app.engine import SAMPLE_RATE, Window, WindowResult, Word
+from app.engine.words import first_sound, sound_starts
 from app.formats import render
-from app.words import first_sound, sound_starts, split_sentences, window_segments
+from app.transcript import split_sentences, window_segments
+from app.windows import SAMPLE_RATE, Window, WindowResult, Word
 
 
 def vtt_cues(text: str) -> list[tuple[float, float, str]]:

@@ -13,14 +13,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.batcher import Batcher
-from app.blobs import LocalBlobs
+from app.batching.batcher import Batcher
 from app.config import Settings, StorageSettings
-from app.engine import DecodeOptions
-from app.jobs import JobRunner
+from app.engine.placement import EngineRunner
+from app.jobs.blobs import LocalBlobs
+from app.jobs.runner import JobRunner
+from app.jobs.store import JobRow, JobStore
 from app.metrics import Metrics
-from app.placement import EngineRunner
-from app.store import JobRow, JobStore
+from app.windows import DecodeOptions
 from tests.conftest import Clip
 from tests.fakes import BOUND, FakeEngine
 

@@ -26,11 +26,12 @@ import uvicorn
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
-from app import audio
+from app.audio import media as audio
+from app.audio.vad import SileroVad
 from app.config import BatcherSettings, Settings
-from app.engine import SAMPLE_RATE, EngineInfo
+from app.engine import EngineInfo
 from app.main import JsonFormatter, create_app
-from app.vad import SileroVad
+from app.windows import SAMPLE_RATE
 from loadtest.common import write_wav16
 from tests.conftest import ROOT, Clip, free_port
 from tests.fakes import FakeEngine
@@ -352,7 +353,7 @@ def test_progress_is_logged_for_a_long_job(tmp_path: Path, clips: list[Clip],
     path = long_wav(clips, tmp_path / "long.wav", 330)
     fake = FakeEngine()
     app = create_app(fake_settings(tmp_path / "data"), engine_factory=lambda s: fake)
-    with caplog.at_level(logging.INFO, "app.jobs"), serve(app) as url, \
+    with caplog.at_level(logging.INFO, "app.jobs.runner"), serve(app) as url, \
             httpx.Client(base_url=url, timeout=60) as client:
         with path.open("rb") as f:
             r = client.post("/transcribe", files={"file": ("long.wav", f)})
@@ -365,7 +366,7 @@ def test_progress_is_logged_for_a_long_job(tmp_path: Path, clips: list[Clip],
     assert all(ln["job_id"] == job["id"] and ln["windows_total"] == total for ln in lines)
     done = [ln["windows_done"] for ln in lines]
     assert done == sorted(done) and done[-1] == total and len(done) <= 11
-    assert all(ln["rtf"] > 0 and ln["level"] == "INFO" and ln["logger"] == "app.jobs"
+    assert all(ln["rtf"] > 0 and ln["level"] == "INFO" and ln["logger"] == "app.jobs.runner"
                for ln in lines)
 
 

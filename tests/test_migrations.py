@@ -15,8 +15,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from app.config import Settings
+from app.jobs.store import JobStore, metadata
 from app.migrations import config, head
-from app.store import JobStore, metadata
 
 
 def sync_url(path: Path) -> str:
@@ -48,7 +48,7 @@ async def test_fresh_database_is_migrated_to_the_model(tmp_path: Path) -> None:
     await store.init()  # idempotent: a restart runs no migration twice
     await store.close()
     assert version(db) == head()
-    # A column added to app.store.jobs without a migration fails here, not in production.
+    # A column added to app.jobs.store.jobs without a migration fails here, not in production.
     assert schema_diff(db) == []
 
 

@@ -99,7 +99,7 @@ def test_thread_pools_are_set_on_purpose() -> None:
     import torch
 
     from app.config import ModelSettings
-    from app.engine import WhisperEngine
+    from app.engine.whisper import WhisperEngine
 
     settings = ModelSettings(num_workers=2, cpu_threads=1, torch_threads=1)
     engine = WhisperEngine(str(real_model()), settings, "whisper-base")

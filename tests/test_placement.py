@@ -1,4 +1,4 @@
-"""Several engines behind one batcher (app/placement.py): spread, least loaded, failures.
+"""Several engines behind one batcher (app/engine/placement.py): spread, least loaded, failures.
 
 Fake engines for placement and fault injection (no timing thresholds: gates decide what is in
 flight); one test on two real CPU WhisperEngines of one thread each checks that batches spread
@@ -12,12 +12,12 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 
-from app.batcher import Batcher
+from app.batching.batcher import Batcher
 from app.config import BatcherSettings, Settings
-from app.engine import DecodeOptions, Window
+from app.engine.placement import EnginePool, EngineRunner, NoEngineLeft, engine_count, load_engines
 from app.errors import TranscriptionFailed
 from app.metrics import Metrics
-from app.placement import EnginePool, EngineRunner, NoEngineLeft, engine_count, load_engines
+from app.windows import DecodeOptions, Window
 from tests.fakes import BOUND, FakeEngine, gather, tag_of, tagged_window
 
 EN = DecodeOptions(language="en")
@@ -189,7 +189,7 @@ async def test_no_engine_left() -> None:
 def test_engine_count_and_loading(monkeypatch: pytest.MonkeyPatch) -> None:
     cpu = Settings(model={"device": "cpu"})  # type: ignore[arg-type]
     assert engine_count(cpu) == 1
-    monkeypatch.setattr("app.placement.cuda_device_count", lambda: 3)
+    monkeypatch.setattr("app.engine.placement.cuda_device_count", lambda: 3)
     assert engine_count(Settings(model={"device": "cuda"})) == 3  # type: ignore[arg-type]
     assert engine_count(Settings(model={"device": "cuda", "engines": 2})) == 2  # type: ignore[arg-type]
 
@@ -216,8 +216,8 @@ def test_engine_count_and_loading(monkeypatch: pytest.MonkeyPatch) -> None:
 async def test_two_real_engines_share_the_batches(clips: list) -> None:
     """Two WhisperEngines (one CTranslate2 thread each) on CPU: batches spread, text right."""
     from app.audio import prepare
+    from app.audio.vad import make_vad
     from app.main import load_whisper
-    from app.vad import make_vad
     from tests.wer import wer
 
     settings = Settings(model={"device": "cpu", "engines": 2, "num_workers": 1,  # type: ignore[arg-type]

@@ -8,15 +8,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 
 import pytest
 
-from app import audio
-from app.batcher import Batcher
+from app.audio import media as audio
+from app.audio.vad import SileroVad
+from app.batching.batcher import Batcher
+from app.batching.stages import Stages
 from app.config import BatcherSettings
-from app.engine import DecodeOptions, Encoded, WhisperEngine, Window
+from app.engine.placement import EngineRunner
+from app.engine.whisper import WhisperEngine
 from app.errors import ShuttingDown
 from app.metrics import Metrics
-from app.placement import EngineRunner
-from app.stages import Stages
-from app.vad import SileroVad
+from app.windows import DecodeOptions, Encoded, Window
 from tests.conftest import Clip
 from tests.fakes import BOUND, FakeStagedEngine, Started, gather, tag_of, tagged_window
 

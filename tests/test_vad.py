@@ -1,4 +1,4 @@
-"""Silero VAD with its STFT done by FFT (app/vad.py) finds exactly the speech spans that
+"""Silero VAD with its STFT done by FFT (app/audio/vad.py) finds exactly the speech spans that
 faster-whisper's own ``get_speech_timestamps`` finds, on the corpus's real audio."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from app.audio import decode
-from app.vad import BLOCK, CHUNK, SileroVad, speech_spans
+from app.audio.vad import BLOCK, CHUNK, SileroVad, speech_spans
 from tests.conftest import Clip
 
 

@@ -20,8 +20,8 @@ from pydantic import SecretStr
 
 from app.config import WebhookSettings
 from app.errors import BadRequest
-from app.store import JobStore
-from app.webhooks import WebhookDispatcher, check_callback_url, sign, verify
+from app.jobs.store import JobStore
+from app.jobs.webhooks import WebhookDispatcher, check_callback_url, sign, verify
 from tests.conftest import READ_SPEECH, Clip, Server
 
 SECRET = "test-webhook-secret"
@@ -90,7 +90,7 @@ def receiver() -> Iterator[Receiver]:
 
 
 def signature_ok(hit: Hit) -> bool:
-    """Checked independently of app.webhooks: HMAC-SHA256 over "timestamp.body"."""
+    """Checked independently of app.jobs.webhooks: HMAC-SHA256 over "timestamp.body"."""
     ts = hit.headers["X-Batchscribe-Timestamp"]
     mac = hmac.new(SECRET.encode(), ts.encode() + b"." + hit.body, hashlib.sha256).hexdigest()
     fresh = abs(time.time() - int(ts)) < 300

@@ -11,14 +11,15 @@ import numpy as np
 import pytest
 from openai import OpenAI
 
-from app import audio
-from app.batcher import Batcher
+from app.audio import media as audio
+from app.audio.vad import SileroVad
+from app.batching.batcher import Batcher
 from app.config import BatcherSettings
-from app.engine import N_SAMPLES, DecodeOptions, WhisperEngine
+from app.engine.placement import EngineRunner
+from app.engine.whisper import WhisperEngine
+from app.engine.words import align
 from app.metrics import Metrics
-from app.placement import EngineRunner
-from app.vad import SileroVad
-from app.words import align
+from app.windows import N_SAMPLES, DecodeOptions
 from tests.conftest import READ_SPEECH, Clip, Server
 from tests.fakes import FakeEngine, tagged_window
 from tests.wer import normalise

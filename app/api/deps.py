@@ -7,9 +7,9 @@ from dataclasses import dataclass
 from fastapi import Request
 
 from app.errors import NotFound, NotReady
+from app.jobs.store import JobRow
 from app.schemas import Job, Progress, Transcription, WebhookState
 from app.state import AppState
-from app.store import JobRow
 
 
 def state(request: Request) -> AppState:

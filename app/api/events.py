@@ -21,9 +21,9 @@ from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
 
 from app.api.deps import Caller, caller, load_job, state, to_job
+from app.jobs.store import TERMINAL
 from app.schemas import ErrorBody
 from app.state import AppState
-from app.store import TERMINAL
 
 router = APIRouter(tags=["jobs"])
 KEEPALIVE_S = 15.0

@@ -32,8 +32,8 @@ from app.api.deps import Caller, caller, ready_state, state
 from app.api.transcribe import accept_upload, decode_options
 from app.errors import BadRequest, ServiceError, openai_body
 from app.formats import MEDIA_TYPES, render
+from app.jobs.store import TERMINAL, JobRow
 from app.state import AppState
-from app.store import TERMINAL, JobRow
 
 ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
 Granularity = Literal["word", "segment"]

@@ -12,12 +12,12 @@ from starlette.concurrency import run_in_threadpool
 from app import audio
 from app.api.deps import Caller, caller, ready_state, to_job
 from app.api.limits import admitted
-from app.engine import DecodeOptions
 from app.errors import BadRequest, InvalidAudio, PayloadTooLarge
-from app.jobs import new_job_id
+from app.jobs.runner import new_job_id
+from app.jobs.webhooks import check_callback_url
 from app.schemas import ErrorBody, Job
 from app.state import AppState
-from app.webhooks import check_callback_url
+from app.windows import DecodeOptions
 
 router = APIRouter(tags=["transcription"])
 

@@ -1,4 +1,4 @@
-"""Webhook delivery state on the job row (app/webhooks.py).
+"""Webhook delivery state on the job row (app/jobs/webhooks.py).
 
 Revision ID: 0002
 Revises: 0001

@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from app.engine import SAMPLE_RATE, WINDOW_S
+from app.windows import SAMPLE_RATE, WINDOW_S
 
 # pyannote.audio (whisperx's VAD) ships telemetry switched on: loading one of its models sends a
 # span to otel.pyannote.ai. A server does not phone home unless its operator says so; this runs

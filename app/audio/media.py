@@ -15,9 +15,9 @@ from typing import Any
 import av
 import numpy as np
 
-from app.engine import N_SAMPLES, SAMPLE_RATE, WINDOW_S, Window
+from app.audio.vad import Vad
 from app.errors import InvalidAudio, PayloadTooLarge, UnsupportedMedia
-from app.vad import Vad
+from app.windows import N_SAMPLES, SAMPLE_RATE, WINDOW_S, Window
 
 log = logging.getLogger(__name__)
 

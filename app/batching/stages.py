@@ -21,7 +21,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from app.engine import DecodeOptions, Encoded, Window, WindowResult
+from app.windows import DecodeOptions, Encoded, Window, WindowResult
 
 Stage = Literal["run", "encode", "decode"]  # run: both stages in one engine call
 GroupKey = tuple[DecodeOptions, int]  # options, padded length
@@ -29,7 +29,7 @@ GroupKey = tuple[DecodeOptions, int]  # options, padded length
 
 @dataclass(frozen=True)
 class Stages:
-    """The engine's encoder and decoder as separate calls (app.placement.EnginePool's)."""
+    """The engine's encoder and decoder as separate calls (app.engine.placement.EnginePool's)."""
 
     encode: Callable[[Sequence[Window], DecodeOptions], Awaitable[list[Encoded]]]
     decode: Callable[[Sequence[Window], Sequence[Encoded], DecodeOptions],

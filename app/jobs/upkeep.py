@@ -13,10 +13,10 @@ import logging
 import time
 from typing import TYPE_CHECKING
 
-from app.store import TERMINAL
+from app.jobs.store import TERMINAL
 
 if TYPE_CHECKING:
-    from app.jobs import JobRunner
+    from app.jobs.runner import JobRunner
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,7 @@
-"""The one seam to the model: ``transcribe_batch(windows, options) -> results``.
+"""whisperx's batched ``WhisperModel`` on CTranslate2: the resident model behind the engine seam.
 
-The engine owns the resident Whisper model (whisperx's batched ``WhisperModel`` on CTranslate2).
-It is created in the app's lifespan, never at import, and its ``transcribe_batch`` is only ever
-called on the engine's own dedicated threads (see :class:`app.placement.EngineRunner`): CTranslate2 runs
-``num_workers`` batches concurrently, one per thread, and the event loop never blocks on it.
+CTranslate2 runs ``num_workers`` batches concurrently, one per dedicated thread (see
+:class:`app.engine.placement.EngineRunner`).
 """
 
 from __future__ import annotations
@@ -12,122 +10,26 @@ import logging
 import math
 import zlib
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any
 
 import numpy as np
 
 from app.config import ModelSettings
-from app.device import resolve_compute_type, resolve_device
+from app.engine import EngineInfo
+from app.engine.device import resolve_compute_type, resolve_device
+from app.windows import (
+    N_SAMPLES,
+    PAD_STEP_S,
+    SAMPLE_RATE,
+    TOKEN_SLACK,
+    DecodeOptions,
+    Encoded,
+    Task,
+    Window,
+    WindowResult,
+)
 
 log = logging.getLogger(__name__)
-
-SAMPLE_RATE = 16_000
-WINDOW_S = 30.0  # Whisper's encoder always sees 30 s; shorter windows are zero-padded
-N_SAMPLES = int(SAMPLE_RATE * WINDOW_S)
-HOP_LENGTH = 160  # mel frames of 10 ms
-N_FRAMES = N_SAMPLES // HOP_LENGTH
-TOKENS_PER_SECOND = SAMPLE_RATE / HOP_LENGTH / 2  # encoder positions: 20 ms each
-PAD_STEP_S = 5  # dynamic time axis: padded lengths in 5 s classes (few sub-batches per batch)
-TOKEN_SLACK = 16  # tokens allowed beyond max_tokens_per_s: a 1 s window may still say a phrase
-
-Task = Literal["transcribe", "translate"]
-
-
-@dataclass(frozen=True)
-class DecodeOptions:
-    """Options that must be equal for windows to share a batch (they share one prompt)."""
-
-    language: str | None = None  # None: detect per window (used for a job's first window)
-    task: Task = "transcribe"
-    beam_size: int = 1
-    initial_prompt: str | None = None
-    temperature: float = 0.0  # > 0: sample at this temperature instead of beam search
-    word_timestamps: bool = False  # one extra batched ``align`` pass on the same encoder output
-
-
-@dataclass(eq=False)
-class Window:
-    """Up to 30 s of 16 kHz mono speech cut from one upload."""
-
-    audio: np.ndarray
-    start: float  # seconds from the start of the upload
-    end: float
-
-    @property
-    def duration(self) -> float:
-        return len(self.audio) / SAMPLE_RATE
-
-
-@dataclass
-class Word:
-    word: str  # with its leading space, as Whisper spells it
-    start: float  # seconds from the start of the upload
-    end: float
-    probability: float
-    tokens: list[int] = field(default_factory=list)
-
-
-@dataclass
-class WindowResult:
-    text: str
-    language: str
-    language_probability: float | None
-    avg_logprob: float
-    no_speech_prob: float
-    compression_ratio: float
-    tokens: list[int] = field(default_factory=list)
-    temperature: float = 0.0
-    words: list[Word] | None = None  # only when DecodeOptions.word_timestamps
-
-
-@dataclass(eq=False)
-class Encoded:
-    """A window between the two stages: its encoder output, waiting for a decoder batch.
-
-    On CPU the encoder costs the same per window at any batch size, while the decoder's cost per
-    window falls steeply with the batch (``python -m loadtest.stages`` measures both;
-    ``loadtest/results/stages.json``). Encoding as windows arrive and decoding one padded length
-    at a time lets the decoder batch windows that arrived in different engine calls. Batch
-    composition never changes a transcript, so neither does this.
-    """
-
-    samples: int  # the padded length the encoder saw: windows decode together only if equal
-    features: np.ndarray  # (frames, d_model), host memory
-    language: str
-    language_probability: float | None
-
-
-@dataclass(frozen=True)
-class EngineInfo:
-    model: str
-    device: str
-    compute_type: str
-    num_workers: int
-
-
-class Engine(Protocol):
-    info: EngineInfo
-
-    def transcribe_batch(
-        self, windows: Sequence[Window], options: DecodeOptions
-    ) -> list[WindowResult]: ...
-
-    def close(self) -> None: ...
-
-
-class StagedEngine(Engine, Protocol):
-    """An engine whose encoder and decoder can run as separate calls (see :class:`Encoded`)."""
-
-    @property
-    def staged(self) -> bool: ...
-
-    def padded_samples(self, window: Window, options: DecodeOptions) -> int: ...
-
-    def encode(self, windows: Sequence[Window], options: DecodeOptions) -> list[Encoded]: ...
-
-    def decode(self, windows: Sequence[Window], encoded: Sequence[Encoded],
-               options: DecodeOptions) -> list[WindowResult]: ...
 
 
 def padded_length(samples: int, margin: int) -> int:
@@ -322,7 +224,7 @@ class WhisperEngine:
                     lang, prob = languages[k]
                     out[k] = self._result(res, lang, prob, tokenizers[lang], options)
         if options.word_timestamps:
-            from app.words import align  # imports this module: import it late
+            from app.engine.words import align  # imports this module: import it late
 
             aligned = align(self.model.model, encoder_output, windows, out, tokenizers)
             for r, words in zip(out, aligned, strict=True):

@@ -27,8 +27,9 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from app.config import Settings
-from app.device import cuda_device_count, is_oom, resolve_device
-from app.engine import DecodeOptions, Encoded, Engine, StagedEngine, Window, WindowResult
+from app.engine import Engine, StagedEngine
+from app.engine.device import cuda_device_count, is_oom, resolve_device
+from app.windows import DecodeOptions, Encoded, Window, WindowResult
 
 log = logging.getLogger(__name__)
 

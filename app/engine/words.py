@@ -1,4 +1,4 @@
-"""Word timestamps from Whisper's cross-attention, and sentence segments built from them.
+"""Word timestamps from Whisper's cross-attention (sentence segments: app/transcript.py).
 
 ``word_timings`` is faster-whisper's ``find_alignment`` + ``add_word_timestamps`` for one window
 decoded without timestamp tokens (whisperx style): CTranslate2's ``align`` gives, per text
@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from app.engine import (
+from app.engine.whisper import batch_rows
+from app.windows import (
     HOP_LENGTH,
     N_FRAMES,
     SAMPLE_RATE,
@@ -22,7 +23,6 @@ from app.engine import (
     Window,
     WindowResult,
     Word,
-    batch_rows,
 )
 
 if TYPE_CHECKING:
@@ -31,9 +31,6 @@ if TYPE_CHECKING:
 PREPEND_PUNCTUATIONS = "\"'“¿([{-"
 APPEND_PUNCTUATIONS = "\"'.。,，!！?？:：”)]}、"
 SENTENCE_END = (".", "?", "!", "。", "？", "！", "…")
-# A sentence longer than either is cut at its best pause: segments stay subtitle-sized.
-MAX_SEGMENT_S = 8.0
-MAX_SEGMENT_CHARS = 100
 
 
 def align(model: Any, encoder_output: Any, windows: Sequence[Window],
@@ -163,71 +160,3 @@ def _trim_first_word(timing: list[dict[str, Any]], median: float, longest: float
             boundary = max(timing[1]["end"] / 2, timing[1]["end"] - longest)
             first["end"] = timing[1]["start"] = boundary
         first["start"] = max(0.0, first["end"] - longest)
-
-
-def transcript(windows: Sequence[Window], results: Sequence[WindowResult], language: str | None,
-               duration: float, word_timestamps: bool) -> dict[str, Any]:
-    """A job's result from its windows' results (in upload order): sentence segments when
-    word times exist (better subtitles), else one segment per window."""
-    segments = [s for w, r in zip(windows, results, strict=True) for s in window_segments(w, r)]
-    words = [wd for s in segments for wd in s.pop("words")]
-    for k, s in enumerate(segments):
-        s["id"] = k
-    return {
-        "text": " ".join(s["text"] for s in segments if s["text"]),
-        "language": language,
-        "language_probability": results[0].language_probability if results else None,
-        "duration": duration, "segments": segments,
-        "words": words if word_timestamps else None,
-    }
-
-
-def window_segments(window: Window, result: WindowResult) -> list[dict[str, Any]]:
-    """One window's segments: sentences when word times exist, else the whole window.
-
-    Every segment of a window shares its decode's avg_logprob, no_speech_prob,
-    compression_ratio and temperature, as in openai-whisper where they are per 30 s decode.
-    """
-    common = {"avg_logprob": result.avg_logprob, "no_speech_prob": result.no_speech_prob,
-              "compression_ratio": result.compression_ratio, "temperature": result.temperature,
-              "seek": round(window.start * 100)}
-    if not result.words:
-        return [{"start": round(window.start, 3), "end": round(window.end, 3),
-                 "text": result.text.strip(), "tokens": result.tokens, "words": [], **common}]
-    return [
-        {"start": ws[0].start, "end": ws[-1].end, "text": "".join(w.word for w in ws).strip(),
-         "tokens": [t for w in ws for t in w.tokens], "words": [_word_dict(w) for w in ws],
-         **common}
-        for ws in split_sentences(result.words)
-    ]
-
-
-def _word_dict(w: Word) -> dict[str, Any]:
-    return {"word": w.word.strip(), "start": w.start, "end": w.end, "probability": w.probability}
-
-
-def split_sentences(words: Sequence[Word], max_s: float = MAX_SEGMENT_S) -> list[list[Word]]:
-    """Group words into sentences; a sentence longer than ``max_s`` splits at its longest pause."""
-    groups: list[list[Word]] = []
-    cur: list[Word] = []
-    for w in words:
-        cur.append(w)
-        if w.word.strip().endswith(SENTENCE_END):
-            groups.append(cur)
-            cur = []
-    if cur:
-        groups.append(cur)
-    out: list[list[Word]] = []
-    for g in groups:
-        out.extend(_split_long(g, max_s))
-    return out
-
-
-def _split_long(ws: list[Word], max_s: float) -> list[list[Word]]:
-    chars = sum(len(w.word) for w in ws)
-    if len(ws) < 2 or (ws[-1].end - ws[0].start <= max_s and chars <= MAX_SEGMENT_CHARS):
-        return [ws]
-    gaps = [(ws[i].start - ws[i - 1].end, i) for i in range(1, len(ws))]
-    # The longest pause, with a bonus for one after a comma-like mark (a natural break).
-    best = max(gaps, key=lambda g: g[0] + 0.3 * ws[g[1] - 1].word.rstrip().endswith((",", ";", ":")))[1]
-    return _split_long(ws[:best], max_s) + _split_long(ws[best:], max_s)

@@ -22,15 +22,16 @@ from pathlib import Path
 from typing import Any
 
 from app import audio
-from app.batcher import Batcher
-from app.blobs import BlobStore, make_blobs
+from app.audio.vad import Vad
+from app.batching.batcher import Batcher
 from app.config import Settings
-from app.engine import SAMPLE_RATE, DecodeOptions, Window, WindowResult
 from app.errors import ServiceError, ShuttingDown, TranscriptionFailed
+from app.jobs.blobs import BlobStore, make_blobs
+from app.jobs.store import TERMINAL, JobRow, JobStore
+from app.jobs.upkeep import Upkeep
 from app.metrics import Metrics
-from app.store import TERMINAL, JobRow, JobStore
-from app.upkeep import Upkeep
-from app.words import transcript
+from app.transcript import transcript
+from app.windows import SAMPLE_RATE, DecodeOptions, Window, WindowResult
 
 log = logging.getLogger(__name__)
 
@@ -49,7 +50,7 @@ def new_job_id() -> str:
 
 
 class JobRunner:
-    def __init__(self, settings: Settings, store: JobStore, batcher: Batcher, vad: audio.Vad,
+    def __init__(self, settings: Settings, store: JobStore, batcher: Batcher, vad: Vad,
                  metrics: Metrics, replica: str | None = None,
                  blobs: BlobStore | None = None) -> None:
         self.settings = settings

@@ -12,7 +12,7 @@ engine runs full batches; when idle, a lone request waits at most ``max_wait_ms`
 stages, windows to encode do not wait: see _to_encode).
 
 Two stages (CPU): a batch may instead be an *encode* of queued windows or a *decode* of
-encoded ones gathered across calls; see app/stages.py.
+encoded ones gathered across calls; see app/batching/stages.py.
 """
 
 from __future__ import annotations
@@ -24,13 +24,13 @@ import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from functools import partial
 
-from app.capacity import BatchCap
+from app.batching.capacity import BatchCap
+from app.batching.stages import Batch, DecodePool, GroupKey, Item, Stage, Stages, encoded_of
 from app.config import BatcherSettings
-from app.device import is_oom
-from app.engine import WINDOW_S, DecodeOptions, Window, WindowResult
+from app.engine.device import is_oom
 from app.errors import ShuttingDown, TranscriptionFailed
 from app.metrics import Metrics
-from app.stages import Batch, DecodePool, GroupKey, Item, Stage, Stages, encoded_of
+from app.windows import WINDOW_S, DecodeOptions, Window, WindowResult
 
 log = logging.getLogger(__name__)
 
@@ -107,7 +107,7 @@ class Batcher:
         return queued + self._pool.pending()
 
     def retire_slots(self, n: int) -> None:
-        """Take ``n`` worker slots for good (an engine left the pool, see app/placement.py), so
+        """Take ``n`` worker slots for good (an engine left the pool, see app/engine/placement.py), so
         batches form only for threads that can run them, instead of waiting behind the others
         with whatever windows had arrived."""
         async def hold() -> None:
@@ -231,7 +231,7 @@ class Batcher:
 
     def _pick_decode(self, now: float, idle: bool, among: set[GroupKey] | None = None
                      ) -> tuple[Batch | None, float | None]:
-        """An encoded group to decode, if one is ready (see app/stages.py). A group of only long
+        """An encoded group to decode, if one is ready (see app/batching/stages.py). A group of only long
         uploads' windows, on the last free worker, decodes a small batch, as in _take."""
         small = self.small_batch
         limit = self.limit("decode")
@@ -256,11 +256,11 @@ class Batcher:
         return max(1, self.cap // 4)
 
     @property
-    def cap(self) -> int:  # the batch cap now (halved after an OOM, see app/capacity.py)
+    def cap(self) -> int:  # the batch cap now (halved after an OOM, see app/batching/capacity.py)
         return self._cap.value
 
     def limit(self, stage: Stage = "run") -> int:
-        """Windows the next batch may take (see app/capacity.py)."""
+        """Windows the next batch may take (see app/batching/capacity.py)."""
         return self._cap.limit(stage, self._in_flight)
 
     def _take(self, group: list[Item]) -> list[Item]:

@@ -1,7 +1,7 @@
 """Signed job webhooks: when a job with a ``callback_url`` ends done or failed, POST its summary.
 
 Durability: the job store marks the delivery ``pending`` in the same UPDATE that finishes the
-job (:meth:`app.store.JobStore.finish`), so no crash can lose one. The dispatcher claims due
+job (:meth:`app.jobs.store.JobStore.finish`), so no crash can lose one. The dispatcher claims due
 deliveries under a short lease (``webhook_next_at`` pushed forward), so replicas sharing a
 database never send the same attempt twice, and deliveries pending at a restart resume.
 The loop is event-driven: woken by a finished job, or sleeping until the next retry is due.
@@ -30,7 +30,7 @@ import sqlalchemy as sa
 
 from app.config import WebhookSettings
 from app.errors import BadRequest
-from app.store import JobRow, JobStore, claim_rows, jobs
+from app.jobs.store import JobRow, JobStore, claim_rows, jobs
 
 log = logging.getLogger(__name__)
 

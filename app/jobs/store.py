@@ -55,7 +55,7 @@ jobs = sa.Table(
     sa.Column("lease_owner", sa.String(128)),
     sa.Column("lease_expires_at", sa.Float),
     sa.Column("replica", sa.String(128)),  # who claimed it last; unlike lease_owner, kept at the end
-    # Webhook delivery (app/webhooks.py). The state becomes "pending" in the same UPDATE that
+    # Webhook delivery (app/jobs/webhooks.py). The state becomes "pending" in the same UPDATE that
     # finishes the job, so a crash between the two can never lose a delivery.
     sa.Column("callback_url", sa.String(2048)),
     sa.Column("webhook_status", sa.String(16), index=True),  # pending | delivered | failed

@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import logging
 
+from app.batching.stages import Stage
 from app.config import BatcherSettings
 from app.metrics import Metrics
-from app.stages import Stage
 
 log = logging.getLogger(__name__)
 

@@ -1,0 +1,1 @@
+"""Cross-request batching: the batcher task, its two stages, and the batch cap."""

@@ -1,0 +1,46 @@
+"""The one seam to the model: ``transcribe_batch(windows, options) -> results``.
+
+The engine owns the resident Whisper model (:mod:`app.engine.whisper`). It is created in the
+app's lifespan, never at import, and its calls only ever run on the engine's own dedicated
+threads (:class:`app.engine.placement.EngineRunner`): the event loop never blocks on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from app.windows import DecodeOptions, Encoded, Window, WindowResult
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    model: str
+    device: str
+    compute_type: str
+    num_workers: int
+
+
+class Engine(Protocol):
+    info: EngineInfo
+
+    def transcribe_batch(
+        self, windows: Sequence[Window], options: DecodeOptions
+    ) -> list[WindowResult]: ...
+
+    def close(self) -> None: ...
+
+
+class StagedEngine(Engine, Protocol):
+    """An engine whose encoder and decoder can run as separate calls (see :class:`Encoded`)."""
+
+    @property
+    def staged(self) -> bool: ...
+
+    def padded_samples(self, window: Window, options: DecodeOptions) -> int: ...
+
+    def encode(self, windows: Sequence[Window], options: DecodeOptions) -> list[Encoded]: ...
+
+    def decode(self, windows: Sequence[Window], encoded: Sequence[Encoded],
+               options: DecodeOptions) -> list[WindowResult]: ...

@@ -1,0 +1,1 @@
+"""Jobs: the runner, the durable store, upkeep, upload blobs and webhooks."""
