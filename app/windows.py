@@ -85,3 +85,46 @@ class Encoded:
     features: np.ndarray  # (frames, d_model), host memory
     language: str
     language_probability: float | None
+
+
+LanguageDetection = Literal["per_upload", "per_window"]
+Channels = Literal["mix", "separate"]
+
+
+@dataclass(frozen=True)
+class JobOptions:
+    """What a request asked for: built by the API, kept in the job row (``options``), and turned
+    into batch keys and per-window settings by the job runner. New fields get defaults, so rows
+    written before them still load (:meth:`from_dict` drops fields it does not know)."""
+
+    language: str | None = None  # None: detected
+    language_detection: LanguageDetection = "per_upload"  # per_window: recordings that switch
+    task: Task = "transcribe"
+    beam_size: int = 1
+    initial_prompt: str | None = None
+    hotwords: str | None = None  # faster-whisper's meaning: words to bias towards
+    temperature: float = 0.0
+    word_timestamps: bool = False
+    detect_only: bool = False  # the language of the first speech window, no transcript
+    diarize: bool = False
+    num_speakers: int | None = None
+    min_speakers: int | None = None
+    max_speakers: int | None = None
+    channels: Channels = "mix"  # separate: each channel transcribed, labelled by channel
+
+    def to_dict(self) -> dict[str, object]:
+        from dataclasses import asdict
+
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, object]) -> JobOptions:
+        from dataclasses import fields
+
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in d.items() if k in known})  # type: ignore[arg-type]
+
+    def decode_options(self) -> DecodeOptions:
+        return DecodeOptions(language=self.language, task=self.task, beam_size=self.beam_size,
+                             initial_prompt=self.initial_prompt, temperature=self.temperature,
+                             word_timestamps=self.word_timestamps)

@@ -20,11 +20,11 @@ from app.jobs.blobs import LocalBlobs
 from app.jobs.runner import JobRunner
 from app.jobs.store import JobRow, JobStore
 from app.metrics import Metrics
-from app.windows import DecodeOptions
+from app.windows import JobOptions
 from tests.conftest import Clip
 from tests.fakes import BOUND, FakeEngine
 
-EN = DecodeOptions(language="en")
+EN = JobOptions(language="en")
 
 
 class WholeClip:

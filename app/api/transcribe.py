@@ -17,7 +17,7 @@ from app.jobs.runner import new_job_id
 from app.jobs.webhooks import check_callback_url
 from app.schemas import ErrorBody, Job
 from app.state import AppState
-from app.windows import DecodeOptions
+from app.windows import JobOptions
 
 router = APIRouter(tags=["transcription"])
 
@@ -34,12 +34,12 @@ def whisper_languages() -> frozenset[str]:
 
 def decode_options(st: AppState, language: str | None, task: str, beam_size: int | None,
                    initial_prompt: str | None, temperature: float = 0.0,
-                   word_timestamps: bool = False) -> DecodeOptions:
+                   word_timestamps: bool = False) -> JobOptions:
     lang = (language or "").strip().lower() or None
     if lang is not None and lang not in st.languages:
         raise BadRequest(f"unknown language {language!r}; use an ISO 639-1 code such as 'en'",
                          field="language")
-    return DecodeOptions(
+    return JobOptions(
         language=lang, task=task,  # type: ignore[arg-type]
         beam_size=beam_size or st.settings.default_beam_size,
         initial_prompt=(initial_prompt or "").strip() or None,
@@ -60,7 +60,7 @@ def spool_upload(src: UploadFile, dest: Path, max_bytes: int) -> int:
     return size
 
 
-async def accept_upload(st: AppState, file: UploadFile, options: DecodeOptions,
+async def accept_upload(st: AppState, file: UploadFile, options: JobOptions,
                         who: Caller, callback_url: str | None = None) -> str:
     """Spool + probe + backpressure + commit. Returns the new job id (the row is committed)."""
     callback_url = check_callback_url(st.settings.webhooks, callback_url)  # before any spooling

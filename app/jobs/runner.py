@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +31,7 @@ from app.jobs.store import TERMINAL, JobRow, JobStore
 from app.jobs.upkeep import Upkeep
 from app.metrics import Metrics
 from app.transcript import transcript
-from app.windows import SAMPLE_RATE, DecodeOptions, Window, WindowResult
+from app.windows import SAMPLE_RATE, DecodeOptions, JobOptions, Window, WindowResult
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,7 @@ class JobRunner:
             self._changed(job_id)  # event streams close too (see ``stopped``)
 
     # ---- API side ----------------------------------------------------------------------------
-    async def submit(self, job_id: str, upload: Path, filename: str | None, options: DecodeOptions,
+    async def submit(self, job_id: str, upload: Path, filename: str | None, options: JobOptions,
                      audio_seconds: float, owner: str | None, callback_url: str | None = None) -> None:
         # The upload is in the shared blob store before its row exists: whoever claims the job
         # finds it. The row holds the key, never this replica's path.
@@ -139,7 +139,7 @@ class JobRunner:
         await asyncio.to_thread(self.blobs.put, key, upload)
         await self.store.insert(
             id=job_id, owner=owner, status="queued", created_at=time.time(), filename=filename,
-            upload_path=key, options=_options_dict(options), audio_seconds=audio_seconds,
+            upload_path=key, options=options.to_dict(), audio_seconds=audio_seconds,
             windows_done=0, attempts=0, callback_url=callback_url,
         )
         self.wake()
@@ -280,7 +280,7 @@ class JobRunner:
         del samples
         await self.store.update(job.id, windows_total=len(windows), audio_seconds=job.audio_seconds)
         self._changed(job.id)
-        opts = DecodeOptions(**job.options)
+        opts = JobOptions.from_dict(job.options).decode_options()
         results: list[WindowResult] = []
         if windows and opts.language is None:  # detect once, on the first window, then reuse
             results = await self._transcribe(job, windows[:1], opts, active)
@@ -368,8 +368,4 @@ class JobRunner:
         self._changed(job_id)
         for hook in self.on_end:
             hook(job_id, status)
-
-
-def _options_dict(o: DecodeOptions) -> dict[str, Any]:
-    return asdict(o)  # every field, so DecodeOptions(**job.options) round-trips new ones too
 
