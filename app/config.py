@@ -37,7 +37,9 @@ class ModelSettings(BaseModel):
         "on CPU (two 1-thread workers beat one 2-thread worker on 2 cores).",
     )
     vad: Literal["auto", "silero", "pyannote"] = Field(
-        "auto", description="auto: Silero (ONNX, ~760x realtime) on CPU, pyannote on GPU."
+        "auto", description="auto: Silero (ONNX on the prep threads' CPU, ~760x realtime per "
+        "thread, streamed a chunk at a time), whatever the engine's device. pyannote: whisperx's "
+        "(torch, on the engine's device; streamed with 30 s of lookahead).",
     )
     torch_threads: int = Field(
         1, ge=1, le=256,
@@ -45,21 +47,22 @@ class ModelSettings(BaseModel):
         "OpenMP pool spinning beside CTranslate2's made pyannote 15-25x slower on 2 cores.",
     )
     local_files_only: bool = Field(True, description="Never reach a model hub at run time.")
-    time_axis: Literal["dynamic", "full"] = Field(
-        "dynamic",
-        description="full: pad every window to Whisper's 30 s. dynamic: pad a batch only to its "
-        "longest window + pad_margin_s. On CPU the encoder costs the same per padded second "
+    time_axis: Literal["auto", "dynamic", "full"] = Field(
+        "auto",
+        description="full: pad every window to Whisper's 30 s. dynamic: pad a window only to its "
+        "length + pad_margin_s (5 s classes). On CPU the encoder costs the same per padded second "
         "whatever the speech, so short clips run ~2x faster; measured on the corpus, read-speech "
         "WER unchanged at an 8 s margin (loops below ~2 s). Windows that decode suspiciously "
-        "(compression > 2.4 or avg logprob < -1) are redone at 30 s.",
+        "(compression > 2.4 or avg logprob < -1) are redone at 30 s. auto: dynamic on CPU, full "
+        "on CUDA (where the dynamic axis has not been measured).",
     )
     pad_margin_s: float = Field(
         8.0, ge=4.0, le=30.0, description="Silence kept after the longest window (dynamic axis)."
     )
     max_tokens_per_s: float = Field(
         16.0, ge=0.0, le=100.0,
-        description="Decoding stops after this many tokens per second of a batch's longest "
-        "window (+16). Speech runs at ~3-7 Whisper tokens/s (at most 5 on the corpus); a "
+        description="A window's decode stops after this many tokens per second of its audio "
+        "(+16), whatever shares its batch. Speech runs at ~3-7 Whisper tokens/s (at most 5 on the corpus); a "
         "hallucination loop ('uh, uh, uh, ...') otherwise runs to the model's 224 tokens, and its "
         "batch with it: ~10x a normal window's decode. 0: no cap but the model's.",
     )
@@ -132,6 +135,27 @@ class BatcherSettings(BaseModel):
         60.0, gt=0, le=100_000,
         description="Memory per window in flight; `python -m loadtest.sweep` measures it "
         "(whisper-base int8 on CPU: ~55 MB).",
+    )
+
+
+class PrepSettings(BaseModel):
+    """Preparing uploads (fetch, decode, VAD, cut) beside the engine, a chunk at a time."""
+
+    workers: int = Field(
+        0, ge=0, le=64,
+        description="Prep threads. 0: one per core (at least one per engine): a short upload's "
+        "first chunk goes ahead of long uploads' later chunks on the first free thread.",
+    )
+    chunk_s: float = Field(
+        60.0, ge=5.0, le=3600.0,
+        description="Audio decoded and VAD-cut per prep step: a long upload's first windows reach "
+        "the batcher after one chunk, and only about one chunk of its audio is held at a time.",
+    )
+    ahead_windows: int = Field(
+        24, ge=1, le=10_000,
+        description="Windows of one job cut but not yet transcribed before its next chunk is "
+        "prepared: bounds a long upload's memory (each window holds up to 30 s of audio, ~2 MB, "
+        "and on CPU its encoder output, ~3 MB) while keeping the engine's batches full.",
     )
 
 
@@ -254,9 +278,6 @@ class Settings(BaseSettings):
 
     host: str = Field("127.0.0.1", description="Bind address.")
     port: int = Field(8000, ge=1, le=65535, description="Bind port.")
-    prep_workers: int = Field(
-        1, ge=1, le=64, description="Threads decoding and VAD-cutting uploads beside the engine."
-    )
     default_beam_size: int = Field(
         1, ge=1, le=10, description="Beam size when a request gives none (1: greedy, fastest)."
     )
@@ -264,6 +285,7 @@ class Settings(BaseSettings):
         25.0, ge=0, le=3600, description="SIGTERM: time to finish the batch in flight."
     )
     model: ModelSettings = ModelSettings()
+    prep: PrepSettings = PrepSettings()
     batcher: BatcherSettings = BatcherSettings()
     storage: StorageSettings = StorageSettings()
     limits: LimitSettings = LimitSettings()

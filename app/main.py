@@ -31,6 +31,7 @@ from app.engine.placement import EnginePool, load_engines, make_pool
 from app.engine.whisper import WhisperEngine, size_class
 from app.errors import install_error_handlers
 from app.jobs.blobs import make_blobs
+from app.jobs.prep import prep_threads
 from app.jobs.runner import JobRunner
 from app.jobs.store import JobStore, StoreInUse, lock_sqlite
 from app.jobs.webhooks import WebhookDispatcher
@@ -95,8 +96,8 @@ def create_app(settings: Settings | None = None,
         engine = engines[0]  # model, device and compute type are the same on every engine
         device = engine.info.device if engine.info.device != "auto" else resolve_device("auto")
         vad_kind = settings.model.vad
-        if vad_kind == "auto":
-            vad_kind = "pyannote" if device == "cuda" else "silero"
+        if vad_kind == "auto":  # Silero runs on the prep threads' CPU, one per prep thread
+            vad_kind = "silero"
         vad = await asyncio.to_thread(make_vad, vad_kind, device)
         metrics.model_info.info({"model": engine.info.model, "device": engine.info.device,
                                  "compute_type": engine.info.compute_type, "vad": vad_kind,
@@ -110,10 +111,11 @@ def create_app(settings: Settings | None = None,
         runner_engine = make_pool(engines)  # one engine per GPU, least loaded first
         monitor = DeviceMonitor(device)
         batcher = Batcher(runner_engine.run, settings.batcher, runner_engine.workers, metrics,
-                          size_class=size_class(settings.model),
+                          size_class=size_class(settings.model, device),
                           base_memory_mb=held_mb(monitor), stages=stages(settings, runner_engine))
         runner_engine.on_remove = batcher.retire_slots
-        runner = JobRunner(settings, store, batcher, vad, metrics, blobs=blobs)
+        runner = JobRunner(settings, store, batcher, vad, metrics, blobs=blobs,
+                           prep_workers=prep_threads(settings.prep.workers, len(engines)))
         st = AppState(settings=settings, metrics=metrics, store=store, spool_dir=spool,
                       languages=transcribe.whisper_languages(), runner=runner, batcher=batcher,
                       engine=runner_engine, monitor=monitor)

@@ -3,11 +3,17 @@
 Audio (app/audio) cuts uploads into :class:`Window`; the batcher (app/batching) groups them by
 :class:`DecodeOptions`; the engine (app/engine) turns them into :class:`WindowResult`. Kept in a
 module of their own so no stage imports another stage's code just to name its data.
+
+What may differ inside one batch and what may not: CTranslate2's Whisper ``generate`` takes one
+prompt per batch item, so a window's language, initial prompt and hotwords (its :class:`Prompt`)
+are its own, and windows of different jobs, languages and prompts share decoder batches. Only
+the search itself (task, beam, temperature, word alignment) must be equal: that is the batch key.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import threading
+from dataclasses import asdict, dataclass, field, fields
 from typing import Literal
 
 import numpy as np
@@ -22,26 +28,62 @@ PAD_STEP_S = 5  # dynamic time axis: padded lengths in 5 s classes (few sub-batc
 TOKEN_SLACK = 16  # tokens allowed beyond max_tokens_per_s: a 1 s window may still say a phrase
 
 Task = Literal["transcribe", "translate"]
+LanguageDetection = Literal["per_upload", "per_window"]
+Channels = Literal["mix", "separate"]
+
 
 @dataclass(frozen=True)
 class DecodeOptions:
-    """Options that must be equal for windows to share a batch (they share one prompt)."""
+    """The batch key: what must be equal for windows to share an engine call."""
 
-    language: str | None = None  # None: detect per window (used for a job's first window)
     task: Task = "transcribe"
     beam_size: int = 1
-    initial_prompt: str | None = None
     temperature: float = 0.0  # > 0: sample at this temperature instead of beam search
     word_timestamps: bool = False  # one extra batched ``align`` pass on the same encoder output
+    detect_only: bool = False  # stop after the language: no decode
+
+
+class LanguageChoice:
+    """One upload's language, decided once from the first detection that reaches it.
+
+    Shared by the windows of a job that gave no language (``language_detection=per_upload``):
+    the engine asks it before detecting (a decided job's windows skip detection) and tells it
+    what it detected; the first answer wins, and every window of the upload is decoded in it.
+    Windows are encoded in upload order (the batcher takes a job's windows by rank), so that is
+    the first speech window's detection. Engine threads share it: a lock guards the decision.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.language: str | None = None
+        self.probability: float | None = None
+
+    def decide(self, language: str, probability: float | None) -> tuple[str, float | None]:
+        with self._lock:
+            if self.language is None:
+                self.language, self.probability = language, probability
+            return self.language, self.probability
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """What the decoder is prompted with for one window: its own, whatever shares its batch."""
+
+    language: str | None = None  # None: detected (from this window, or its upload's choice)
+    initial_prompt: str | None = None
+    hotwords: str | None = None  # faster-whisper's meaning: words to bias the decode towards
+    choice: LanguageChoice | None = field(default=None, compare=False)  # per-upload detection
 
 
 @dataclass(eq=False)
 class Window:
-    """Up to 30 s of 16 kHz mono speech cut from one upload."""
+    """Up to 30 s of 16 kHz mono speech cut from one upload. ``audio`` is the window's own array
+    (never a view into the whole upload), released once the window's result is back."""
 
     audio: np.ndarray
     start: float  # seconds from the start of the upload
     end: float
+    prompt: Prompt = Prompt()
 
     @property
     def duration(self) -> float:
@@ -69,6 +111,12 @@ class WindowResult:
     temperature: float = 0.0
     words: list[Word] | None = None  # only when DecodeOptions.word_timestamps
 
+    @classmethod
+    def detection(cls, language: str, probability: float | None) -> WindowResult:
+        """A detect-only window's result: its language, no text."""
+        return cls(text="", language=language, language_probability=probability,
+                   avg_logprob=0.0, no_speech_prob=0.0, compression_ratio=0.0)
+
 
 @dataclass(eq=False)
 class Encoded:
@@ -83,26 +131,23 @@ class Encoded:
 
     samples: int  # the padded length the encoder saw: windows decode together only if equal
     features: np.ndarray  # (frames, d_model), host memory
-    language: str
+    language: str  # given, the upload's choice, or detected from this window
     language_probability: float | None
-
-
-LanguageDetection = Literal["per_upload", "per_window"]
-Channels = Literal["mix", "separate"]
 
 
 @dataclass(frozen=True)
 class JobOptions:
     """What a request asked for: built by the API, kept in the job row (``options``), and turned
-    into batch keys and per-window settings by the job runner. New fields get defaults, so rows
-    written before them still load (:meth:`from_dict` drops fields it does not know)."""
+    into the batch key (:meth:`decode_options`) and each window's :class:`Prompt` by the job
+    runner. New fields get defaults, so rows written before them still load (:meth:`from_dict`
+    drops fields it does not know)."""
 
     language: str | None = None  # None: detected
     language_detection: LanguageDetection = "per_upload"  # per_window: recordings that switch
     task: Task = "transcribe"
     beam_size: int = 1
     initial_prompt: str | None = None
-    hotwords: str | None = None  # faster-whisper's meaning: words to bias towards
+    hotwords: str | None = None
     temperature: float = 0.0
     word_timestamps: bool = False
     detect_only: bool = False  # the language of the first speech window, no transcript
@@ -113,18 +158,21 @@ class JobOptions:
     channels: Channels = "mix"  # separate: each channel transcribed, labelled by channel
 
     def to_dict(self) -> dict[str, object]:
-        from dataclasses import asdict
-
         return asdict(self)
 
     @classmethod
     def from_dict(cls, d: dict[str, object]) -> JobOptions:
-        from dataclasses import fields
-
         known = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in d.items() if k in known})  # type: ignore[arg-type]
 
     def decode_options(self) -> DecodeOptions:
-        return DecodeOptions(language=self.language, task=self.task, beam_size=self.beam_size,
-                             initial_prompt=self.initial_prompt, temperature=self.temperature,
-                             word_timestamps=self.word_timestamps)
+        return DecodeOptions(task=self.task, beam_size=self.beam_size,
+                             temperature=self.temperature, word_timestamps=self.word_timestamps,
+                             detect_only=self.detect_only)
+
+    def prompt(self) -> Prompt:
+        """The windows' prompt; a fresh :class:`LanguageChoice` per upload when it is detected
+        once for the whole upload."""
+        per_upload = self.language is None and self.language_detection == "per_upload"
+        return Prompt(language=self.language, initial_prompt=self.initial_prompt,
+                      hotwords=self.hotwords, choice=LanguageChoice() if per_upload else None)

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from app.engine import EngineInfo
-from app.windows import SAMPLE_RATE, DecodeOptions, Encoded, Window, WindowResult, Word
+from app.windows import SAMPLE_RATE, DecodeOptions, Encoded, Prompt, Window, WindowResult, Word
 
 BOUND = 30  # seconds: a bound on waits so a broken batcher fails the test instead of hanging it
 
@@ -35,15 +35,26 @@ class Started:
             await batcher.stop(5)
 
 
-def tagged_window(tag: int, seconds: float = 2.0, start: float = 0.0) -> Window:
+def tagged_window(tag: int, seconds: float = 2.0, start: float = 0.0,
+                  prompt: Prompt | None = None) -> Window:
     """A window whose first sample encodes ``tag`` so results can be traced to their window."""
     audio = np.zeros(max(1, int(seconds * SAMPLE_RATE)), dtype=np.float32)
     audio[0] = tag / 1e6
-    return Window(audio, start, start + seconds)
+    return Window(audio, start, start + seconds, prompt or Prompt(language="en"))
 
 
 def tag_of(w: Window) -> int:
     return round(float(w.audio[0]) * 1e6)
+
+
+def language_of(w: Window) -> tuple[str, float | None]:
+    """What the real engine would use: the window's language, else its upload's choice (the
+    fake "detects" English, p=0.99), else its own detection."""
+    if w.prompt.language:
+        return w.prompt.language, None
+    if w.prompt.choice is not None:
+        return w.prompt.choice.decide("en", 0.99)
+    return "en", 0.99
 
 
 class FakeEngine:
@@ -65,9 +76,11 @@ class FakeEngine:
             self.batches.append((options, [tag_of(w) for w in windows]))
         if self.fail:
             self.fail(windows)
+        if options.detect_only:
+            return [WindowResult.detection(*language_of(w)) for w in windows]
         return [
-            WindowResult(text=f"w{tag_of(w)}", language=options.language or "en",
-                         language_probability=None if options.language else 0.99,
+            WindowResult(text=f"w{tag_of(w)}", language=language_of(w)[0],
+                         language_probability=language_of(w)[1],
                          avg_logprob=-0.1, no_speech_prob=0.0, compression_ratio=1.0,
                          temperature=options.temperature,
                          # One word spanning the window, so word-timestamp paths run too.
@@ -94,7 +107,7 @@ class FakeStagedEngine(FakeEngine):
         self.calls: list[tuple[str, list[int]]] = []
         self.stage_fail = fail
 
-    def padded_samples(self, window: Window, options: DecodeOptions) -> int:
+    def padded_samples(self, window: Window) -> int:
         step = 5 * SAMPLE_RATE
         return -(-len(window.audio) // step) * step
 
@@ -108,8 +121,8 @@ class FakeStagedEngine(FakeEngine):
 
     def encode(self, windows: Sequence[Window], options: DecodeOptions) -> list[Encoded]:
         self._enter("encode", windows)
-        return [Encoded(self.padded_samples(w, options), np.array([tag_of(w)], np.float32),
-                        options.language or "en", None) for w in windows]
+        return [Encoded(self.padded_samples(w), np.array([tag_of(w)], np.float32),
+                        *language_of(w)) for w in windows]
 
     def decode(self, windows: Sequence[Window], encoded: Sequence[Encoded],
                options: DecodeOptions) -> list[WindowResult]:
@@ -122,6 +135,6 @@ class FakeStagedEngine(FakeEngine):
 
     def transcribe_batch(self, windows: Sequence[Window], options: DecodeOptions) -> list[WindowResult]:
         self._enter("run", windows)
-        return [WindowResult(text=f"w{tag_of(w)}", language=options.language or "en",
+        return [WindowResult(text=f"w{tag_of(w)}", language=language_of(w)[0],
                              language_probability=None, avg_logprob=-0.1, no_speech_prob=0.0,
                              compression_ratio=1.0) for w in windows]

@@ -12,10 +12,10 @@ from app.config import BatcherSettings
 from app.engine.placement import EngineRunner
 from app.errors import ShuttingDown, TranscriptionFailed
 from app.metrics import Metrics
-from app.windows import DecodeOptions, Window
+from app.windows import DecodeOptions, Prompt, Window
 from tests.fakes import BOUND, FakeEngine, Started, gather, tag_of, tagged_window
 
-EN = DecodeOptions(language="en")
+EN = DecodeOptions()
 
 
 class Rig:
@@ -73,18 +73,35 @@ async def test_cap_bounds_batches_and_fills_them(rig_factory: Callable[..., Rig]
 async def test_windows_with_different_options_never_share_a_batch(rig_factory) -> None:
     rig = rig_factory(cap=8)
     blocker = await rig.block_first_batch()
-    fr = DecodeOptions(language="fr")
-    tr = DecodeOptions(language="en", task="translate")
-    b5 = DecodeOptions(language="en", beam_size=5)
-    pr = DecodeOptions(language="en", initial_prompt="Glossary: batchscribe")
+    tr = DecodeOptions(task="translate")
+    b5 = DecodeOptions(beam_size=5)
+    hot = DecodeOptions(temperature=0.5)
+    words = DecodeOptions(word_timestamps=True)
+    keys = (EN, tr, b5, hot, words)
     futs = []
-    for k, opts in enumerate((EN, fr, tr, b5, pr)):
+    for k, opts in enumerate(keys):
         futs += rig.batcher.submit(f"j{k}", [tagged_window(10 * k + i) for i in range(3)], opts)
     rig.release()
     await gather([blocker, *futs])
     for opts, tags in rig.fake.batches[1:]:
-        assert {t // 10 for t in tags} == {(EN, fr, tr, b5, pr).index(opts)}
+        assert {t // 10 for t in tags} == {keys.index(opts)}
     assert sorted(rig.sizes()[1:]) == [3, 3, 3, 3, 3]
+
+
+async def test_languages_and_prompts_share_a_batch(rig_factory: Callable[..., Rig]) -> None:
+    """A window's language, initial prompt and hotwords are its own prompt: not batch keys."""
+    rig = rig_factory(cap=8)
+    blocker = await rig.block_first_batch()
+    prompts = [Prompt(language="en"), Prompt(language="fr"), Prompt(language="de"),
+               Prompt(language="en", initial_prompt="Glossary: batchscribe"),
+               Prompt(language="en", hotwords="CTranslate2"), Prompt()]
+    futs = []
+    for k, p in enumerate(prompts):
+        futs += rig.batcher.submit(f"j{k}", [tagged_window(k, prompt=p)], EN)
+    rig.release()
+    results = await gather([blocker, *futs])
+    assert rig.sizes() == [1, 6]
+    assert [r.language for r in results[1:]] == ["en", "fr", "de", "en", "en", "en"]
 
 
 async def test_similar_durations_batch_together(rig_factory: Callable[..., Rig]) -> None:

@@ -13,16 +13,16 @@ from collections.abc import Iterator
 
 import pytest
 
-from app.audio import media as audio
+from app.audio import prepare
 from app.audio.vad import SileroVad
 from app.config import ModelSettings, Settings
 from app.engine.whisper import WhisperEngine
-from app.windows import TOKEN_SLACK, DecodeOptions, Window
+from app.windows import TOKEN_SLACK, DecodeOptions, Prompt, Window
 from models.registry import resolve
 from tests.conftest import READ_SPEECH, Clip
 
 LOOPING_CLIP = "mfa-mfa_uhuh"  # 5.8 s of "uh, uh": whisper-base loops on it at any padding
-EN = DecodeOptions(language="en")
+EN = DecodeOptions()
 
 
 def make_engine(tokens_per_s: float) -> WhisperEngine:
@@ -39,8 +39,11 @@ def uncapped() -> Iterator[WhisperEngine]:
     eng.close()
 
 
-def windows_of(clip: Clip) -> list[Window]:
-    return audio.prepare(clip.path, SileroVad(), 3600)[1]
+def windows_of(clip: Clip, prompt: Prompt | None = None) -> list[Window]:
+    windows = prepare(clip.path, SileroVad(), 3600)[1]
+    for w in windows:
+        w.prompt = prompt or Prompt(language="en")
+    return windows
 
 
 @pytest.mark.model
@@ -53,7 +56,7 @@ def test_a_looping_decode_stops_at_the_cap(engine: WhisperEngine, uncapped: Whis
 
     capped = engine.transcribe_batch([window], EN)[0]
     cap = math.ceil(Settings().model.max_tokens_per_s * window.duration) + TOKEN_SLACK
-    assert cap < len(capped.tokens) + 4 and len(capped.tokens) <= cap + 2
+    assert len(capped.tokens) == cap  # cut at the window's own budget
     assert capped.compression_ratio > 2.4  # still flagged as the loop it is
     assert loop.text.startswith(capped.text[:40])  # the same loop, cut shorter
 
@@ -73,9 +76,9 @@ def test_speech_that_fills_the_cap_is_decoded_again_in_full(uncapped: WhisperEng
                                                             prompt: str | None) -> None:
     """At 0.5 tokens/s read speech fills its cap (~20 tokens) without looping; each such window
     is redone at the model's limit, so the transcripts equal the uncapped ones."""
-    opts = DecodeOptions(language="en", initial_prompt=prompt)
+    opts = DecodeOptions()
     picked = sorted((c for c in clips if c.set in READ_SPEECH), key=lambda c: c.id)[::3][:8]
-    every = [w for c in picked for w in windows_of(c)]
+    every = [w for c in picked for w in windows_of(c, Prompt(language="en", initial_prompt=prompt))]
     full = uncapped.transcribe_batch(every, opts)
     dense = [k for k, (w, r) in enumerate(zip(every, full, strict=True))
              if len(r.tokens) > math.ceil(0.5 * w.duration) + TOKEN_SLACK]
@@ -87,3 +90,19 @@ def test_speech_that_fills_the_cap_is_decoded_again_in_full(uncapped: WhisperEng
                                                                            for k in dense]
     finally:
         tight.close()
+
+
+@pytest.mark.model
+def test_a_looping_window_reads_the_same_alone_and_beside_a_long_window(
+        engine: WhisperEngine, clips: list[Clip]) -> None:
+    """The budget is the window's own: batched beside a 25-30 s window (whose budget is ~5x
+    larger, so the call runs longer), the looping clip is cut where it is cut alone."""
+    (clip,) = [c for c in clips if c.id == LOOPING_CLIP]
+    (window,) = windows_of(clip)
+    longest = max((w for c in clips if c.set in READ_SPEECH for w in windows_of(c)),
+                  key=lambda w: w.duration)
+    assert longest.duration > 20
+    alone = engine.transcribe_batch([window], EN)[0]
+    beside = engine.transcribe_batch([longest, window], EN)[1]
+    assert alone.compression_ratio > 2.4  # the premise: it loops
+    assert beside.text == alone.text and beside.tokens == alone.tokens

@@ -30,6 +30,23 @@ EN = JobOptions(language="en")
 class WholeClip:
     """A VAD that calls the whole clip speech: the windows do not matter here."""
 
+    def stream(self) -> WholeClip:
+        self.samples = 0
+        return self
+
+    def feed(self, samples: np.ndarray) -> list[tuple[int, int]]:
+        self.samples += samples.size
+        return []
+
+    def finish(self) -> list[tuple[int, int]]:
+        return [(0, self.samples)]
+
+    def frontier(self) -> int:
+        return 0
+
+    def keep_from(self) -> int:
+        return 0
+
     def speech(self, audio: np.ndarray) -> list[tuple[float, float]]:
         return [(0.0, len(audio) / 16000)]
 

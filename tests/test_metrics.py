@@ -27,6 +27,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.audio import media as audio
+from app.audio import prepare
 from app.audio.vad import SileroVad
 from app.config import BatcherSettings, Settings
 from app.engine import EngineInfo
@@ -99,7 +100,7 @@ def long_wav(clips: list[Clip], path: Path, min_s: float) -> Path:
 def vad_audio_seconds(path: Path) -> tuple[int, float]:
     """(windows, speech seconds) the service cuts from ``path`` with the CPU VAD (Silero): what
     ``batchscribe_audio_processed_seconds_total`` counts for that upload."""
-    _, windows = audio.prepare(path, SileroVad(), 4 * 3600)
+    _, windows = prepare(path, SileroVad(), 4 * 3600)
     return len(windows), sum(w.duration for w in windows)
 
 

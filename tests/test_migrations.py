@@ -106,13 +106,15 @@ async def test_sqlite_restart_requeues_every_running_job(tmp_path: Path) -> None
                            options={}, audio_seconds=1.0, windows_done=0, attempts=0)
         if owner:
             await store.claim(owner, 1, 3600.0)
+            await store.started(f"j{k}", owner)  # its work began: an attempt counts
     assert (await store.counts()) == {"running": 2, "queued": 1}
     assert await store.requeue_stale("new-host-456", everyone=False) == 0  # leases still valid
     assert await store.requeue_stale("new-host-456", everyone=True) == 2
     assert (await store.counts()) == {"queued": 3}
     again = await store.claim("new-host-456", 10, 30.0)
     assert [j.id for j in again] == ["j0", "j1", "j2"]
-    assert all(j.attempts == (2 if j.id != "j2" else 1) and j.replica == "new-host-456"
+    # Claiming counts no attempt (a drain may give the job back before it starts).
+    assert all(j.attempts == (1 if j.id != "j2" else 0) and j.replica == "new-host-456"
                for j in again)
     await store.close()
 

@@ -20,7 +20,7 @@ from app.metrics import Metrics
 from app.windows import DecodeOptions, Window
 from tests.fakes import BOUND, FakeEngine, gather, tag_of, tagged_window
 
-EN = DecodeOptions(language="en")
+EN = DecodeOptions()
 
 
 def broken(windows: Sequence[Window]) -> None:

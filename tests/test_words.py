@@ -12,6 +12,7 @@ import pytest
 from openai import OpenAI
 
 from app.audio import media as audio
+from app.audio import prepare
 from app.audio.vad import SileroVad
 from app.batching.batcher import Batcher
 from app.config import BatcherSettings
@@ -19,7 +20,7 @@ from app.engine.placement import EngineRunner
 from app.engine.whisper import WhisperEngine
 from app.engine.words import align
 from app.metrics import Metrics
-from app.windows import N_SAMPLES, DecodeOptions
+from app.windows import N_SAMPLES, DecodeOptions, Prompt
 from tests.conftest import READ_SPEECH, Clip, Server
 from tests.fakes import FakeEngine, tagged_window
 from tests.wer import normalise
@@ -34,8 +35,8 @@ async def test_batches_never_mix_word_and_plain_windows() -> None:
                 Metrics())
     b.start()
     try:
-        kinds = [DecodeOptions("en"), DecodeOptions("en", word_timestamps=True),
-                 DecodeOptions("en", temperature=0.5)]
+        kinds = [DecodeOptions(), DecodeOptions(word_timestamps=True),
+                 DecodeOptions(temperature=0.5)]
         futs = [f for k, o in enumerate(kinds)
                 for f in b.submit(f"job{k}", [tagged_window(10 * k + i) for i in range(3)], o)]
         await asyncio.wait_for(asyncio.gather(*futs), 30)
@@ -50,8 +51,10 @@ def test_alignment_is_the_same_in_a_batch_and_alone(engine: WhisperEngine,
                                                     clips: list[Clip]) -> None:
     vad = SileroVad()
     picked = [c for c in clips if c.set in READ_SPEECH][:3]
-    windows = [w for c in picked for w in audio.prepare(c.path, vad, 3600)[1]]
-    opts = DecodeOptions(language="en", word_timestamps=True)
+    windows = [w for c in picked for w in prepare(c.path, vad, 3600)[1]]
+    for w in windows:
+        w.prompt = Prompt(language="en")
+    opts = DecodeOptions(word_timestamps=True)
     batch = engine.transcribe_batch(windows, opts)
     alone = [engine.transcribe_batch([w], opts)[0] for w in windows]
     for b, a, w in zip(batch, alone, windows, strict=True):
@@ -64,7 +67,7 @@ def test_alignment_is_the_same_in_a_batch_and_alone(engine: WhisperEngine,
     feats = np.stack([log_mel_spectrogram(w.audio, n_mels=80, padding=N_SAMPLES - len(w.audio))
                       .numpy() for w in windows]).astype(np.float32)
     mixed = [batch[0], replace(batch[1], language="fr"), *batch[2:]]
-    toks = {lang: engine._tokenizer(lang, "transcribe") for lang in ("en", "fr")}
+    toks = {lang: engine._prompts.tokenizer(lang, "transcribe") for lang in ("en", "fr")}
     regrouped = align(engine.model.model, engine.model.encode(feats), windows, mixed, toks)
     assert [[x.word for x in ws] for ws in regrouped] == [[x.word for x in r.words or []]
                                                           for r in batch]

@@ -1,6 +1,9 @@
-"""Audio in: probe and decode uploads, find their speech, cut it into windows (app.audio.media,
-app.audio.vad). Everything here blocks and runs in the prep pool, never on the event loop."""
+"""Audio in: open uploads behind allow-lists and decode them (media), find their speech (vad),
+cut it into windows (cut), a chunk at a time (stream). Everything here blocks and runs in the
+prep pool, never on the event loop."""
 
-from app.audio.media import Probe, cut_windows, decode, prepare, probe
+from app.audio.cut import cut_windows
+from app.audio.media import Probe, decode, probe
+from app.audio.stream import AudioStream, prepare
 
-__all__ = ["Probe", "cut_windows", "decode", "prepare", "probe"]
+__all__ = ["AudioStream", "Probe", "cut_windows", "decode", "prepare", "probe"]

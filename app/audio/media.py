@@ -1,8 +1,16 @@
-"""Audio in: probe and decode an upload, then cut its speech into <= 30 s windows.
+"""Audio in: open an upload with FFmpeg (PyAV) behind allow-lists, probe it, decode it in pieces.
 
-All functions here block (PyAV decoding, VAD inference) and are called from the prep thread pool,
-never on the event loop. PyAV bundles FFmpeg, so wav, flac, mp3, ogg, m4a and webm decode with no
-system FFmpeg; everything is resampled to 16 kHz mono float32, which is what Whisper expects.
+All functions here block and run in the prep pool, never on the event loop. PyAV bundles FFmpeg,
+so wav, flac, mp3, ogg/opus, m4a, webm and the other common containers decode with no system
+FFmpeg; everything is resampled to 16 kHz mono float32, which is what Whisper expects.
+
+FFmpeg opens much more than audio: 400+ demuxers, among them playlists (``concat``, HLS, DASH)
+that open *other files* by name. An upload whose bytes are an ``ffconcat`` playlist naming
+another job's spool file was transcribed from that other tenant's audio. So every open passes
+``format_whitelist`` (audio and audio/video containers only) and ``protocol_whitelist=file``,
+the audio stream's decoder must be an audio codec we list, and its rate and channel count must
+be sane (1 Hz-384 kHz, <= 8 channels) at probe time and on every decoded frame. Anything else
+is a 415 at upload.
 """
 
 from __future__ import annotations
@@ -15,11 +23,31 @@ from typing import Any
 import av
 import numpy as np
 
-from app.audio.vad import Vad
 from app.errors import InvalidAudio, PayloadTooLarge, UnsupportedMedia
-from app.windows import N_SAMPLES, SAMPLE_RATE, WINDOW_S, Window
+from app.windows import SAMPLE_RATE
 
 log = logging.getLogger(__name__)
+
+# Demuxer names as FFmpeg matches them (one entry matches a demuxer listing several names).
+FORMATS = ("wav,w64,flac,mp3,ogg,mov,matroska,aac,aiff,caf,amr,asf,avi,mpegts,au,wv,ape,tta,"
+           "mpc,mpc8,spx,loas,voc,ac3,eac3,dts,truehd,mlp,gsm,g722,g723_1,g729,tak,shorten,"
+           "mp2,mp1,sln,s16le,sox")
+OPEN_OPTIONS = {"format_whitelist": FORMATS, "protocol_whitelist": "file"}
+CODECS = frozenset((
+    "flac", "mp3", "mp3float", "mp2", "mp2float", "mp1", "mp1float", "aac", "aac_fixed",
+    "aac_latm", "opus", "libopus", "vorbis", "libvorbis", "alac", "wavpack", "ape", "tta",
+    "tak", "shorten", "amrnb", "amrwb", "wmav1", "wmav2", "wmapro", "wmalossless", "wmavoice",
+    "gsm", "gsm_ms", "g722", "g723_1", "g726", "g726le", "g729", "speex", "ac3", "ac3_fixed",
+    "eac3", "dca", "truehd", "mlp", "mace3", "mace6", "qdm2", "qdmc", "ra_144", "ra_288",
+    "cook", "atrac3", "atrac3plus", "nellymoser", "ilbc", "sipr", "musepack7", "musepack8",
+    "dsd_lsbf", "dsd_msbf", "dsd_lsbf_planar", "dsd_msbf_planar", "sol_dpcm", "interplay_dpcm",
+    "roq_dpcm", "xan_dpcm", "derf_dpcm", "comfortnoise",
+))
+CODEC_PREFIXES = ("pcm_", "adpcm_")
+MAX_RATE = 384_000
+MAX_CHANNELS = 8
+RIFF_IDS = (b"RIFF", b"RF64", b"BW64")  # a WAV starts with one, then its size, then b"WAVE"
+SMALL_PROBE = {"probesize": "4096"}
 
 
 @dataclass(frozen=True)
@@ -30,18 +58,32 @@ class Probe:
     channels: int
 
 
+def check_stream(codec: str, rate: int, channels: int) -> None:
+    """415 unless the audio is an audio codec we decode, at a sane rate and channel count."""
+    if codec not in CODECS and not codec.startswith(CODEC_PREFIXES):
+        raise UnsupportedMedia(f"audio codec {codec!r} is not accepted")
+    check_layout(rate, channels)
+
+
+def check_layout(rate: int, channels: int) -> None:
+    if not 1 <= rate <= MAX_RATE:
+        raise UnsupportedMedia(f"a sample rate of {rate} Hz is not accepted (1-{MAX_RATE} Hz)")
+    if not 1 <= channels <= MAX_CHANNELS:
+        raise UnsupportedMedia(f"{channels} channels are not accepted (1-{MAX_CHANNELS})")
+
+
 def probe(path: Path, max_audio_s: float) -> Probe:
     """Check that ``path`` holds decodable audio and is within the duration limit.
 
     Reads only the container header and the first packets, so a 2-hour upload is rejected in
-    milliseconds. Raises 415 for non-audio, 422 for audio with no decodable samples, 413 over
-    the limit.
+    milliseconds. Raises 415 for non-audio (or a container, codec, rate or layout we refuse),
+    422 for audio with no decodable samples, 413 over the limit.
     """
     try:
-        with _open(path) as c:
-            if not c.streams.audio:
-                raise UnsupportedMedia("the upload has no audio stream")
+        with open_audio(path) as c:
             s = c.streams.audio[0]
+            cc = s.codec_context
+            check_stream(cc.name, int(cc.sample_rate or 0), int(cc.channels or 0))
             duration = _declared_duration(c, s)
             if duration is None:  # e.g. a browser's streamed webm: time the packets instead
                 duration = _packet_duration(path, max_audio_s)
@@ -50,37 +92,35 @@ def probe(path: Path, max_audio_s: float) -> Probe:
                     f"audio is {duration:.0f} s long; the limit is {max_audio_s:.0f} s",
                     limit_s=max_audio_s, duration_s=round(duration, 3),
                 )
-            got_samples = False
-            for frame in _frames(c):
-                if frame.samples > 0:
-                    got_samples = True
-                    break
-            if not got_samples:
+            if not any(frame.samples > 0 for frame in _checked(frames(c))):
                 raise InvalidAudio("the upload contains no decodable audio samples")
-            return Probe(
-                duration_s=duration or 0.0, codec=s.codec_context.name,
-                sample_rate=int(s.codec_context.sample_rate or 0),
-                channels=int(s.codec_context.channels or 0),
-            )
+            return Probe(duration_s=duration or 0.0, codec=cc.name,
+                         sample_rate=int(cc.sample_rate or 0), channels=int(cc.channels or 0))
     except (UnsupportedMedia, InvalidAudio, PayloadTooLarge):
         raise
     except (av.error.FFmpegError, UnicodeDecodeError, ValueError, IndexError) as exc:
         raise UnsupportedMedia(
             f"not a decodable audio file ({type(exc).__name__}); "
-            "supported: wav, flac, mp3, ogg, m4a, webm"
+            "supported: wav, flac, mp3, ogg/opus, m4a/mp4, webm/mkv and other audio containers"
         ) from exc
 
 
-RIFF_IDS = (b"RIFF", b"RF64", b"BW64")  # a WAV starts with one, then its size, then b"WAVE"
-SMALL_PROBE = {"probesize": "4096"}
+def open_audio(path: Path) -> Any:
+    """``av.open`` behind the allow-lists, with an audio stream (else 415); cheaper for WAV.
+
+    FFmpeg's stream probe reads up to 5 MB of a file; for PCM that is the whole upload, parsed
+    packet by packet: ~4 ms per open here, and every request opens its file twice (probe,
+    decode), while a WAV header already holds what the probe looks for. Other formats keep
+    FFmpeg's defaults (an mp3's ID3 cover art can be larger than a small probe), and so does a
+    WAV whose stream the small probe left undescribed."""
+    c = _open(path)
+    if not c.streams.audio:
+        c.close()
+        raise UnsupportedMedia("the upload has no audio stream")
+    return c
 
 
 def _open(path: Path) -> Any:
-    """``av.open``, cheaper for WAV. FFmpeg's stream probe reads up to 5 MB of a file; for PCM
-    that is the whole upload, parsed packet by packet: ~4 ms per open here, and every request
-    opens its file twice (probe, decode), while a WAV header already holds what the probe
-    looks for. Other formats keep FFmpeg's defaults (an mp3's ID3 cover art can be larger
-    than a small probe), and so does a WAV whose stream the small probe left undescribed."""
     try:
         with path.open("rb") as f:
             head = f.read(12)
@@ -88,7 +128,8 @@ def _open(path: Path) -> Any:
         head = b""  # av.open below raises its own error for it, as it always did
     if head[:4] in RIFF_IDS and head[8:12] == b"WAVE":
         try:
-            c = av.open(str(path), mode="r", metadata_errors="ignore", options=SMALL_PROBE)
+            c = av.open(str(path), mode="r", metadata_errors="ignore",
+                        options={**OPEN_OPTIONS, **SMALL_PROBE})
         except av.error.FFmpegError:
             pass  # judged by the default probe below, exactly as before
         else:
@@ -96,7 +137,7 @@ def _open(path: Path) -> Any:
             if s is not None and s.codec_context.sample_rate and s.codec_context.channels:
                 return c
             c.close()
-    return av.open(str(path), mode="r", metadata_errors="ignore")
+    return av.open(str(path), mode="r", metadata_errors="ignore", options=dict(OPEN_OPTIONS))
 
 
 def _declared_duration(c: Any, s: Any) -> float | None:
@@ -114,7 +155,7 @@ def _packet_duration(path: Path, max_audio_s: float) -> float | None:
     and a burst of them would pass the 429 check. Stops once past the limit.
     """
     end = 0.0
-    with _open(path) as c:
+    with open_audio(path) as c:
         for packet in c.demux(audio=0):
             if packet.pts is not None and packet.time_base is not None:
                 end = max(end, float((packet.pts + (packet.duration or 0)) * packet.time_base))
@@ -123,7 +164,7 @@ def _packet_duration(path: Path, max_audio_s: float) -> float | None:
     return end or None
 
 
-def _frames(container: Any) -> Any:
+def frames(container: Any) -> Any:
     """Decoded audio frames, skipping corrupt packets (truncated files decode up to the damage)."""
     for packet in container.demux(audio=0):
         try:
@@ -132,71 +173,73 @@ def _frames(container: Any) -> Any:
             continue
 
 
-def decode(path: Path, max_audio_s: float) -> np.ndarray:
-    """Decode to 16 kHz mono float32, enforcing the duration limit while decoding.
+def _checked(frames: Any) -> Any:
+    """Frames whose rate and layout stay within the limits (a stream may change mid-way)."""
+    for frame in frames:
+        check_layout(int(frame.sample_rate or 0), len(frame.layout.channels))
+        yield frame
 
-    The limit is checked on decoded samples too, because a header can lie (a wav header
-    claiming a huge size, a stream without duration metadata).
-    """
-    limit = int(max_audio_s * SAMPLE_RATE)
-    resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
-    chunks: list[np.ndarray] = []
-    total = 0
-    try:
-        with _open(path) as c:
-            for frame in _frames(c):
-                for out in resampler.resample(frame):
+
+class AudioDecoder:
+    """One upload decoded in pieces, as 16 kHz mono float32: only the piece asked for is held.
+
+    The duration limit is checked on decoded samples too, because a header can lie (a WAV
+    header claiming a huge size, a stream without duration metadata)."""
+
+    def __init__(self, path: Path, max_audio_s: float) -> None:
+        self._limit = int(max_audio_s * SAMPLE_RATE)
+        self._max_audio_s = max_audio_s
+        try:
+            self._container = open_audio(path)
+        except av.error.FFmpegError as exc:
+            raise UnsupportedMedia("cannot open the upload as audio") from exc
+        self._frames = _checked(frames(self._container))
+        self._resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
+        self.samples = 0  # decoded so far
+        self.done = False
+
+    def read(self, n: int) -> np.ndarray:
+        """At least ``n`` samples (fewer only at the end; empty once done)."""
+        parts: list[np.ndarray] = []
+        got = 0
+        try:
+            while got < n and not self.done:
+                frame = next(self._frames, None)
+                outs = self._resampler.resample(frame)  # None flushes the resampler's tail
+                for out in outs:
                     arr = out.to_ndarray().reshape(-1)
-                    chunks.append(arr)
-                    total += arr.size
-                if total > limit:
-                    raise PayloadTooLarge(
-                        f"audio is longer than the limit of {max_audio_s:.0f} s",
-                        limit_s=max_audio_s,
-                    )
-            for out in resampler.resample(None):  # flush the resampler's tail
-                chunks.append(out.to_ndarray().reshape(-1))
-    except PayloadTooLarge:
-        raise
-    except av.error.FFmpegError as exc:
-        if not chunks:
-            raise UnsupportedMedia(f"cannot decode the upload: {exc}") from exc
-        log.warning("decode stopped early at %.1f s: %s", total / SAMPLE_RATE, exc)
-    if not chunks:
+                    parts.append(arr)
+                    got += arr.size
+                if frame is None:
+                    self.done = True
+        except av.error.FFmpegError as exc:
+            if not self.samples and not parts:
+                raise UnsupportedMedia("cannot decode the upload") from exc
+            log.warning("decode stopped early at %.1f s: %s",
+                        (self.samples + got) / SAMPLE_RATE, exc)
+            self.done = True
+        self.samples += got
+        if self.samples > self._limit:
+            raise PayloadTooLarge(f"audio is longer than the limit of {self._max_audio_s:.0f} s",
+                                  limit_s=self._max_audio_s)
+        if not parts:
+            return np.zeros(0, dtype=np.float32)
+        return np.concatenate(parts).astype(np.float32) / 32768.0
+
+    def close(self) -> None:
+        self._container.close()
+
+
+def decode(path: Path, max_audio_s: float) -> np.ndarray:
+    """A whole upload at once (tests, benchmarks): the pieces of :class:`AudioDecoder`."""
+    dec = AudioDecoder(path, max_audio_s)
+    try:
+        parts = []
+        while not dec.done:
+            parts.append(dec.read(SAMPLE_RATE * 60))
+    finally:
+        dec.close()
+    audio = np.concatenate(parts) if parts else np.zeros(0, dtype=np.float32)
+    if not audio.size:
         raise InvalidAudio("the upload contains no decodable audio samples")
-    return np.concatenate(chunks).astype(np.float32) / 32768.0
-
-
-def cut_windows(audio: np.ndarray, regions: list[tuple[float, float]]) -> list[Window]:
-    """Merge speech regions of ONE upload into <= 30 s windows (whisperx's merge_chunks rule).
-
-    Regions are joined while the window would stay within 30 s; anything still longer is cut
-    hard at 30 s so the encoder never silently drops audio.
-    """
-    spans: list[tuple[float, float]] = []
-    cur: tuple[float, float] | None = None
-    for start, end in regions:
-        if cur is not None and end - cur[0] <= WINDOW_S:
-            cur = (cur[0], end)
-            continue
-        if cur is not None:
-            spans.append(cur)
-        cur = (start, end)
-    if cur is not None:
-        spans.append(cur)
-    windows = []
-    for start, end in spans:
-        s = max(0, int(start * SAMPLE_RATE))
-        e = min(len(audio), int(end * SAMPLE_RATE))
-        while e - s > 0:
-            piece = audio[s:min(e, s + N_SAMPLES)]
-            if piece.size >= SAMPLE_RATE // 10:  # < 0.1 s is noise, not a word
-                windows.append(Window(piece, s / SAMPLE_RATE, (s + piece.size) / SAMPLE_RATE))
-            s += N_SAMPLES
-    return windows
-
-
-def prepare(path: Path, vad: Vad, max_audio_s: float) -> tuple[np.ndarray, list[Window]]:
-    """Decode and cut: the whole blocking preprocessing of one upload."""
-    audio = decode(path, max_audio_s)
-    return audio, cut_windows(audio, vad.speech(audio))
+    return audio

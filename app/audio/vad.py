@@ -15,6 +15,7 @@ VAD runs in the prep pool, never on the event loop: ~0.7 ms of CPU per audio sec
 from __future__ import annotations
 
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any, Protocol
@@ -38,8 +39,38 @@ BLOCK = 10_000  # chunks per onnxruntime call (faster-whisper's), ~5 min of audi
 AGREE = 1e-4  # start-up check: largest allowed difference between the two paths' probabilities
 
 
+class VadStream(Protocol):
+    """One upload's VAD, fed its audio in order, a chunk at a time: only what it has not settled
+    is held (Silero: one partial 512-sample chunk and the span rules' state)."""
+
+    def feed(self, samples: np.ndarray) -> list[tuple[int, int]]:
+        """Spans (in samples from the start) that are now final, in order."""
+        ...
+
+    def finish(self) -> list[tuple[int, int]]:
+        """The rest of the spans, once the upload has no more audio."""
+        ...
+
+    def frontier(self) -> int:
+        """No span still to be returned ends before this sample."""
+        ...
+
+    def keep_from(self) -> int:
+        """No span still to be returned starts before this sample (audio before it can go)."""
+        ...
+
+
 class Vad(Protocol):
+    def stream(self) -> VadStream: ...
+
     def speech(self, audio: np.ndarray) -> list[tuple[float, float]]: ...
+
+
+def whole(vad: Vad, audio: np.ndarray) -> list[tuple[float, float]]:
+    """A whole array through a stream: the spans, in seconds."""
+    s = vad.stream()
+    spans = s.feed(audio) + s.finish()
+    return [(a / SAMPLE_RATE, b / SAMPLE_RATE) for a, b in spans]
 
 
 def _padded(audio: np.ndarray) -> np.ndarray:
@@ -69,7 +100,7 @@ class SileroVad:
         from faster_whisper.vad import SileroVADModel
 
         path = str(Path(get_assets_path()) / "silero_vad_v6.onnx")
-        # faster-whisper's own model call: the reference of the start-up check, and the fallback.
+        # faster-whisper's own model: the reference of the start-up check, and the fallback.
         self._whole = SileroVADModel(path)
         self._window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)).astype(np.float32)
         tail = onnx.utils.Extractor(onnx.load(path)).extract_model(
@@ -87,25 +118,27 @@ class SileroVad:
     def fft(self) -> bool:
         return self._tail is not None
 
+    def stream(self) -> SileroStream:
+        return SileroStream(self)
+
+    def speech(self, audio: np.ndarray) -> list[tuple[float, float]]:
+        return whole(self, audio)
+
     def probabilities(self, audio: np.ndarray) -> np.ndarray:
         """One speech probability per 512 samples, as faster-whisper's model call returns them."""
-        padded = _padded(audio)
+        p = _Probabilities(self)
+        return np.concatenate([p.feed(audio), p.finish()])
+
+    def run(self, rows: np.ndarray, h: np.ndarray, c: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The model on (chunks, 64 + 512) rows (each chunk after its predecessor's last 64
+        samples), its LSTM state carried in and out: any split of an upload into calls gives
+        the probabilities of one call over all of it."""
         if self._tail is None:
-            return np.asarray(self._whole(padded))
-        # As faster-whisper's call: each chunk is prepended with the previous one's last 64
-        # samples (zeros for the first), and, through a view there, the last chunk's own last
-        # 64 samples are zeroed too: kept, for equal output.
-        chunks = padded.reshape(-1, CHUNK)
-        chunks[-1, -CONTEXT:] = 0
-        context = np.roll(chunks[:, -CONTEXT:], 1, axis=0)
-        h = np.zeros((1, 1, 128), dtype=np.float32)
-        c = np.zeros((1, 1, 128), dtype=np.float32)
-        out = []
-        for i in range(0, len(chunks), BLOCK):  # the LSTM state carries across blocks
-            x = np.concatenate([context[i:i + BLOCK], chunks[i:i + BLOCK]], axis=1)
-            probs, h, c = self._tail.run(None, {MAGNITUDE: self._magnitude(x), "h": h, "c": c})
-            out.append(probs)
-        return np.concatenate(out)
+            probs, h, c = self._whole.session.run(None, {"input": rows, "h": h, "c": c})
+        else:
+            probs, h, c = self._tail.run(None, {MAGNITUDE: self._magnitude(rows), "h": h, "c": c})
+        return np.asarray(probs).reshape(-1), h, c
 
     def _magnitude(self, x: np.ndarray) -> np.ndarray:
         """The model's STFT magnitude: its basis is a periodic Hann window times the DFT."""
@@ -114,74 +147,184 @@ class SileroVad:
         spectrum = np.fft.rfft(frames * self._window, axis=-1)  # (chunks, 4, 129)
         return np.abs(spectrum).astype(np.float32).transpose(0, 2, 1)
 
-    def speech(self, audio: np.ndarray) -> list[tuple[float, float]]:
-        spans = speech_spans(self.probabilities(audio), audio.size)
-        return [(s / SAMPLE_RATE, e / SAMPLE_RATE) for s, e in spans]
+
+class _Probabilities:
+    """Speech probabilities of an upload fed in pieces, equal to faster-whisper's one call: each
+    chunk is prepended with the previous one's last 64 samples (zeros for the first); the end is
+    padded to a whole chunk (a whole extra chunk when already whole) whose last 64 samples are
+    zeroed, as that call's in-place context trick does."""
+
+    def __init__(self, vad: SileroVad) -> None:
+        self._vad = vad
+        self._h = np.zeros((1, 1, 128), dtype=np.float32)
+        self._c = np.zeros((1, 1, 128), dtype=np.float32)
+        self._context = np.zeros(CONTEXT, dtype=np.float32)
+        self._pending = np.zeros(0, dtype=np.float32)
+
+    def feed(self, samples: np.ndarray) -> np.ndarray:
+        data = np.concatenate([self._pending, samples.astype(np.float32, copy=False)])
+        whole = data.size // CHUNK * CHUNK
+        self._pending = data[whole:].copy()
+        return self._run(data[:whole].reshape(-1, CHUNK))
+
+    def finish(self) -> np.ndarray:
+        last = np.zeros(CHUNK, dtype=np.float32)
+        last[:self._pending.size] = self._pending
+        last[-CONTEXT:] = 0
+        self._pending = np.zeros(0, dtype=np.float32)
+        return self._run(last.reshape(1, CHUNK))
+
+    def _run(self, chunks: np.ndarray) -> np.ndarray:
+        if not len(chunks):
+            return np.zeros(0, dtype=np.float32)
+        context = np.concatenate([self._context[None], chunks[:-1, -CONTEXT:]])
+        self._context = chunks[-1, -CONTEXT:].copy()
+        out = []
+        for i in range(0, len(chunks), BLOCK):
+            rows = np.concatenate([context[i:i + BLOCK], chunks[i:i + BLOCK]], axis=1)
+            probs, self._h, self._c = self._vad.run(rows, self._h, self._c)
+            out.append(probs)
+        return np.concatenate(out)
 
 
-def speech_spans(probs: np.ndarray, n_samples: int, threshold: float = 0.5,
-                 max_speech_s: float = WINDOW_S, min_silence_ms: int = 160,
-                 speech_pad_ms: int = 400) -> list[tuple[int, int]]:
-    """Speech spans in samples from the probabilities: faster-whisper's ``get_speech_timestamps``
-    rules (adapted from silero-vad), which only run on its own cached model. Hysteresis between
-    ``threshold`` and ``threshold - 0.15``; a span ends after ``min_silence_ms`` below it; one
-    longer than ``max_speech_s`` is split at its last silence of > 98 ms, or else cut; spans are
-    padded by ``speech_pad_ms`` each side (split evenly when closer)."""
-    neg = max(threshold - 0.15, 0.01)
-    pad = SAMPLE_RATE * speech_pad_ms / 1000
-    max_speech = SAMPLE_RATE * max_speech_s - CHUNK - 2 * pad
-    min_silence = SAMPLE_RATE * min_silence_ms / 1000
-    min_silence_at_max = SAMPLE_RATE * 98 / 1000
-    spans: list[list[float]] = []
-    start: float | None = None
-    temp_end = prev_end = next_start = 0
-    for i, p in enumerate(probs.tolist()):
-        at = CHUNK * i
-        if p >= threshold and temp_end:
-            temp_end = 0
-            if next_start < prev_end:
-                next_start = at
-        if p >= threshold and start is None:
-            start = at
-            continue
-        if start is not None and at - start > max_speech:
-            if prev_end:
-                spans.append([start, prev_end])
+class SileroStream:
+    """Silero probabilities and faster-whisper's span rules, both incremental."""
+
+    def __init__(self, vad: SileroVad) -> None:
+        self._probs = _Probabilities(vad)
+        self._spans = SpanTracker()
+        self._samples = 0
+
+    def feed(self, samples: np.ndarray) -> list[tuple[int, int]]:
+        self._samples += samples.size
+        return self._spans.feed(self._probs.feed(samples))
+
+    def finish(self) -> list[tuple[int, int]]:
+        out = self._spans.feed(self._probs.finish())
+        return out + self._spans.finish(self._samples)
+
+    def frontier(self) -> int:
+        return self._spans.frontier()
+
+    def keep_from(self) -> int:
+        return self._spans.keep_from()
+
+
+def speech_spans(probs: np.ndarray, n_samples: int) -> list[tuple[int, int]]:
+    """Speech spans in samples from the probabilities of a whole upload (:class:`SpanTracker`)."""
+    t = SpanTracker()
+    return t.feed(probs) + t.finish(n_samples)
+
+
+class SpanTracker:
+    """faster-whisper's ``get_speech_timestamps`` rules (adapted from silero-vad; they only run
+    on its own cached model), one probability at a time. Hysteresis between ``threshold`` and
+    ``threshold - 0.15``; a span ends after ``min_silence_ms`` below it; one longer than
+    ``max_speech_s`` is split at its last silence of > 98 ms, or else cut; spans are padded by
+    ``speech_pad_ms`` each side (split evenly when closer).
+
+    A span is final once the next one has begun (their gap is known) or once the audio has gone
+    2 x pad past its end with nothing begun (the gap is at least that): the same spans as one
+    pass over the whole upload, with at most ~0.8 s of lookahead (``tests/test_prep.py``)."""
+
+    def __init__(self, threshold: float = 0.5, max_speech_s: float = WINDOW_S,
+                 min_silence_ms: int = 160, speech_pad_ms: int = 400) -> None:
+        self.threshold = threshold
+        self.neg = max(threshold - 0.15, 0.01)
+        self.pad = SAMPLE_RATE * speech_pad_ms / 1000
+        self.max_speech = SAMPLE_RATE * max_speech_s - CHUNK - 2 * self.pad
+        self.min_silence = SAMPLE_RATE * min_silence_ms / 1000
+        self.min_silence_at_max = SAMPLE_RATE * 98 / 1000
+        self._i = 0  # probabilities seen
+        self._start: float | None = None
+        self._temp_end = self._prev_end = self._next_start = 0.0
+        self._raw: list[list[float]] = []  # raw spans not yet final (at most two)
+        self._last_end: float | None = None  # raw end of the last span made final
+
+    def feed(self, probs: np.ndarray) -> list[tuple[int, int]]:
+        for p in probs.tolist():
+            self._step(p, CHUNK * self._i)
+            self._i += 1
+        return self._settle(final=False, n_samples=0)
+
+    def finish(self, n_samples: int) -> list[tuple[int, int]]:
+        if self._start is not None and n_samples - self._start > 0:
+            self._raw.append([self._start, n_samples])
+        self._start = None
+        return self._settle(final=True, n_samples=n_samples)
+
+    def frontier(self) -> int:
+        """Spans not yet returned end after their raw end, or after the probabilities seen."""
+        return int(min([r[1] for r in self._raw] + [CHUNK * self._i]))
+
+    def keep_from(self) -> int:
+        """Padding moves a start back by at most ``pad``; spans not yet begun start later."""
+        starts = [r[0] for r in self._raw] + [CHUNK * self._i]
+        if self._start is not None:
+            starts.append(self._start)
+        return max(0, int(min(starts) - self.pad))
+
+    def _step(self, p: float, at: int) -> None:
+        if p >= self.threshold and self._temp_end:
+            self._temp_end = 0
+            if self._next_start < self._prev_end:
+                self._next_start = at
+        if p >= self.threshold and self._start is None:
+            self._start = at
+            return
+        if self._start is not None and at - self._start > self.max_speech:
+            if self._prev_end:
+                self._raw.append([self._start, self._prev_end])
                 # still below the threshold since that silence: not speech yet
-                start = None if next_start < prev_end else next_start
+                self._start = None if self._next_start < self._prev_end else self._next_start
             else:
-                spans.append([start, at])
-                start = None
-                prev_end = next_start = temp_end = 0
-                continue
-            prev_end = next_start = temp_end = 0
-        if p < neg and start is not None:
-            temp_end = temp_end or at
-            if at - temp_end > min_silence_at_max:  # a silence a long span may be split at
-                prev_end = temp_end
-            if at - temp_end < min_silence:
-                continue
-            if temp_end - start > 0:  # min_speech_duration_ms is 0
-                spans.append([start, temp_end])
-            start = None
-            prev_end = next_start = temp_end = 0
-            continue
-    if start is not None and n_samples - start > 0:
-        spans.append([start, n_samples])
-    for i, span in enumerate(spans):
-        if i == 0:
-            span[0] = int(max(0, span[0] - pad))
-        if i != len(spans) - 1:
-            gap = spans[i + 1][0] - span[1]
-            if gap < 2 * pad:
-                span[1] += int(gap // 2)
-                spans[i + 1][0] = int(max(0, spans[i + 1][0] - gap // 2))
+                self._raw.append([self._start, at])
+                self._start = None
+                self._prev_end = self._next_start = self._temp_end = 0
+                return
+            self._prev_end = self._next_start = self._temp_end = 0
+        if p < self.neg and self._start is not None:
+            self._temp_end = self._temp_end or at
+            if at - self._temp_end > self.min_silence_at_max:  # a silence a long span may split at
+                self._prev_end = self._temp_end
+            if at - self._temp_end < self.min_silence:
+                return
+            if self._temp_end - self._start > 0:  # min_speech_duration_ms is 0
+                self._raw.append([self._start, self._temp_end])
+            self._start = None
+            self._prev_end = self._next_start = self._temp_end = 0
+
+    def _settle(self, final: bool, n_samples: int) -> list[tuple[int, int]]:
+        """Pad the raw spans whose neighbours are known: faster-whisper's padding pass."""
+        out: list[tuple[int, int]] = []
+        pad = self.pad
+        while self._raw:
+            span = self._raw[0]
+            if len(self._raw) > 1:
+                nxt: float | None = self._raw[1][0]
+            elif self._start is not None:
+                nxt = self._start
+            elif final:
+                nxt = None
+            elif CHUNK * self._i - span[1] >= 2 * pad:
+                nxt = math.inf  # whatever comes next starts at least 2 x pad later
             else:
-                span[1] = int(min(n_samples, span[1] + pad))
-                spans[i + 1][0] = int(max(0, spans[i + 1][0] - pad))
-        else:
-            span[1] = int(min(n_samples, span[1] + pad))
-    return [(int(s), int(e)) for s, e in spans]
+                break
+            start, end = span
+            if self._last_end is None:  # the first span
+                start = max(0, start - pad)
+            else:  # the gap to the previous span, as it was padded
+                gap = start - self._last_end
+                start = max(0, start - (gap // 2 if gap < 2 * pad else pad))
+            if nxt is None:
+                end = min(n_samples, end + pad)
+            else:
+                gap = nxt - span[1]
+                end = span[1] + gap // 2 if gap < 2 * pad else end + pad
+            self._last_end = span[1]
+            self._raw.pop(0)
+            out.append((int(start), int(end)))
+        return out
 
 
 class PyannoteVad:
@@ -193,7 +336,14 @@ class PyannoteVad:
 
         self._model = Pyannote(torch.device(device), vad_onset=0.5, vad_offset=0.363, chunk_size=30)
 
+    def stream(self) -> PyannoteStream:
+        return PyannoteStream(self)
+
     def speech(self, audio: np.ndarray) -> list[tuple[float, float]]:
+        return whole(self, audio)
+
+    def regions(self, audio: np.ndarray) -> list[tuple[int, int]]:
+        """whisperx's merged speech regions (<= 30 s each) of ``audio``, in samples."""
         import torch
         from whisperx.vads import Pyannote
 
@@ -201,8 +351,46 @@ class PyannoteVad:
             scores = self._model({"waveform": Pyannote.preprocess_audio(audio),
                                   "sample_rate": SAMPLE_RATE})
         merged = Pyannote.merge_chunks(scores, WINDOW_S, onset=0.5, offset=0.363)
-        # merge_chunks already packs regions into <= 30 s chunks; return their spans.
-        return [(float(m["start"]), float(m["end"])) for m in merged]
+        return [(int(m["start"] * SAMPLE_RATE), int(m["end"] * SAMPLE_RATE)) for m in merged]
+
+
+class PyannoteStream:
+    """pyannote over a rolling buffer: regions that end more than ``LOOKAHEAD_S`` before the
+    buffer's end are final; the buffer then restarts at the last final region's end, so every
+    sample is judged until it is settled and none is in two regions. pyannote's segmentation
+    sees 10 s windows, so 30 s of lookahead leaves its decisions unchanged far from the edge."""
+
+    LOOKAHEAD_S = 30.0
+    RUN_S = 120.0  # buffer length that triggers a pass
+
+    def __init__(self, vad: PyannoteVad) -> None:
+        self._vad = vad
+        self._buf = np.zeros(0, dtype=np.float32)
+        self._offset = 0  # sample index of the buffer's start
+
+    def feed(self, samples: np.ndarray) -> list[tuple[int, int]]:
+        self._buf = np.concatenate([self._buf, samples.astype(np.float32, copy=False)])
+        if self._buf.size < self.RUN_S * SAMPLE_RATE:
+            return []
+        limit = self._buf.size - int(self.LOOKAHEAD_S * SAMPLE_RATE)
+        done = [r for r in self._vad.regions(self._buf) if r[1] <= limit]
+        cut = done[-1][1] if done else limit
+        self._buf = self._buf[cut:].copy()
+        out = [(a + self._offset, b + self._offset) for a, b in done]
+        self._offset += cut
+        return out
+
+    def frontier(self) -> int:
+        return self._offset
+
+    def keep_from(self) -> int:
+        return self._offset
+
+    def finish(self) -> list[tuple[int, int]]:
+        regions = self._vad.regions(self._buf) if self._buf.size else []
+        out = [(a + self._offset, b + self._offset) for a, b in regions]
+        self._buf = np.zeros(0, dtype=np.float32)
+        return out
 
 
 def make_vad(kind: str, device: str) -> Vad:

@@ -70,19 +70,25 @@ class Batcher:
 
     # ---- caller side -------------------------------------------------------------------------
     def submit(
-        self, job_id: str, windows: Sequence[Window], options: DecodeOptions
+        self, job_id: str, windows: Sequence[Window], options: DecodeOptions, *,
+        first_rank: int = 0, job_windows: int | None = None, owner: str | None = None,
     ) -> list[asyncio.Future[WindowResult]]:
-        """Queue a job's windows; returns one future per window, in the same order."""
+        """Queue windows of a job; returns one future per window, in the same order.
+
+        A long upload arrives in several calls as its audio is prepared: ``first_rank`` is the
+        first window's index in the job, and ``job_windows`` the job's size (estimated from its
+        duration until it is all cut), which tells a short request from a long one."""
         if self._stopping:
             raise ShuttingDown("batcher is stopping")
         loop = asyncio.get_running_loop()
         group = self._groups.setdefault(options, [])
+        size = max(job_windows or 0, first_rank + len(windows))
         futures = []
-        for rank, w in enumerate(windows):
+        for k, w in enumerate(windows):
             fut: asyncio.Future[WindowResult] = loop.create_future()
-            padded = self._stages.padded(w, options) if self._stages else 0
-            group.append(Item(job_id, rank, w, options, fut, job_windows=len(windows),
-                              padded=padded))
+            padded = self._stages.padded(w) if self._stages else 0
+            group.append(Item(job_id, first_rank + k, w, options, fut, job_windows=size,
+                              padded=padded, owner=owner))
             futures.append(fut)
         self._update_gauges()
         self._wake.set()
@@ -266,19 +272,28 @@ class Batcher:
     def _take(self, group: list[Item]) -> list[Item]:
         """Choose up to ``cap`` windows of one group: fair across jobs, similar lengths together.
 
-        Sort key: (rank within its job, size-class distance from the oldest window, age).
-        Rank first means every waiting job gets its next window in before any job gets a second
-        one, so an hour-long upload cannot starve a 5 s request; among equals, windows of
-        similar length share a batch so their decodes finish together.
+        Sort key: (rank among its API key's windows, rank within its job, size-class distance
+        from the oldest window, age). Key first: a key flooding the queue gets one place per
+        round like every other key. Job rank next: every waiting job gets its next window in
+        before any job gets a second one, so an hour-long upload cannot starve a 5 s request;
+        among equals, windows of similar length share a batch so their decodes finish together.
         """
         seed_class = self._size_class(group[0].window)
         job_rank: dict[str, int] = {}
-        ranked = []
+        per_owner: dict[str | None, list[tuple[int, float, float, Item]]] = {}
         for i in group:
             r = job_rank.get(i.job_id, 0)
             job_rank[i.job_id] = r + 1
-            ranked.append((r, abs(self._size_class(i.window) - seed_class), i.enqueued, i))
-        ranked.sort(key=lambda t: t[:3])
+            per_owner.setdefault(i.owner, []).append(
+                (r, abs(self._size_class(i.window) - seed_class), i.enqueued, i))
+        # Round robin across API keys: every key's best window before any key's second, so one
+        # key flooding the queue with tiny jobs gets one place per round, like every other key.
+        keyed: list[tuple[int, int, float, float, Item]] = []
+        for windows in per_owner.values():
+            windows.sort(key=lambda t: t[:3])
+            keyed += [(k, *t) for k, t in enumerate(windows)]
+        keyed.sort(key=lambda t: t[:4])
+        ranked = [t[1:] for t in keyed]
         limit = self.limit()
         small = self.small_batch
         if self._running:
@@ -381,7 +396,11 @@ class Batcher:
         elapsed = time.monotonic() - start
         m.batch_duration.observe(elapsed)
         m.processing.inc(elapsed)
-        if stage == "encode":
+        if stage == "encode" and key.detect_only:  # the language was all it asked for
+            for i, e in zip(items, encoded, strict=True):
+                if not i.future.done():
+                    i.future.set_result(WindowResult.detection(e.language, e.language_probability))
+        elif stage == "encode":
             self._pool.add(items, encoded)
         else:
             m.batch_done(len(items), sum(w.duration for w in windows), WINDOW_S)

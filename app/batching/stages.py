@@ -34,13 +34,13 @@ class Stages:
     encode: Callable[[Sequence[Window], DecodeOptions], Awaitable[list[Encoded]]]
     decode: Callable[[Sequence[Window], Sequence[Encoded], DecodeOptions],
                      Awaitable[list[WindowResult]]]
-    padded: Callable[[Window, DecodeOptions], int]  # the encoder length: decode groups by it
+    padded: Callable[[Window], int]  # the encoder length: decode groups by it
 
 
 @dataclass(eq=False)
 class Item:
     job_id: str
-    rank: int  # position of this window among its job's windows still to submit: fairness key
+    rank: int  # position of this window among its job's windows: fairness key
     window: Window
     options: DecodeOptions
     future: asyncio.Future[WindowResult]
@@ -49,6 +49,7 @@ class Item:
     padded: int = 0  # two stages: the encoder length, the decode group it will join
     encoded: Encoded | None = None
     pooled: float = 0.0  # when it was encoded
+    owner: str | None = None  # the job's API key: batches take windows round robin across keys
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():

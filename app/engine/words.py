@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from app.engine.whisper import batch_rows
+from app.engine.decoding import batch_rows
 from app.windows import (
     HOP_LENGTH,
     N_FRAMES,

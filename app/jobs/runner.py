@@ -1,9 +1,10 @@
-"""The job runner: claims queued jobs from the store, prepares them, feeds the batcher, finishes.
+"""The job runner: claims queued jobs from the store, runs each (app/jobs/feed.py), finishes it.
 
-Per job: decode + VAD in the prep pool (overlapping the engine), then the windows go to the
-batcher. A job without a language sends its first window alone with detection on, then the
-rest with the detected language, so one upload is transcribed in one language, as whisperx does.
-Results are reassembled in time order whatever order the batches finished in.
+Per job: its audio is prepared a chunk at a time on the shared prep pool and each chunk's
+windows go to the batcher at once (:class:`app.jobs.feed.JobFeed`); results are reassembled in
+time order whatever order the batches finished in. Jobs are claimed only as fast as the prep
+pool starts them (about ``prep workers + 1`` claimed and not started), so a replica never sits
+on work another replica could start, and a drain gives unstarted jobs back at no cost.
 """
 
 from __future__ import annotations
@@ -15,34 +16,24 @@ import math
 import secrets
 import time
 from collections.abc import Callable, Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from app import audio
 from app.audio.vad import Vad
 from app.batching.batcher import Batcher
 from app.config import Settings
 from app.errors import ServiceError, ShuttingDown, TranscriptionFailed
 from app.jobs.blobs import BlobStore, make_blobs
+from app.jobs.feed import Active, JobFeed, Outcome
+from app.jobs.prep import PrepPool, prep_threads
 from app.jobs.store import TERMINAL, JobRow, JobStore
 from app.jobs.upkeep import Upkeep
 from app.metrics import Metrics
 from app.transcript import transcript
-from app.windows import SAMPLE_RATE, DecodeOptions, JobOptions, Window, WindowResult
+from app.windows import JobOptions
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Active:
-    task: asyncio.Task[None]
-    windows_total: int = 0
-    windows_done: int = 0
-    audio_done_s: float = 0.0
-    ending: bool = False  # being finished: its audio leaves the backlog with its store row
 
 
 def new_job_id() -> str:
@@ -52,7 +43,7 @@ def new_job_id() -> str:
 class JobRunner:
     def __init__(self, settings: Settings, store: JobStore, batcher: Batcher, vad: Vad,
                  metrics: Metrics, replica: str | None = None,
-                 blobs: BlobStore | None = None) -> None:
+                 blobs: BlobStore | None = None, prep_workers: int | None = None) -> None:
         self.settings = settings
         self.store = store
         self.batcher = batcher
@@ -62,7 +53,7 @@ class JobRunner:
         self.lease_s = settings.storage.lease_s
         self.blobs = blobs or make_blobs(settings.storage)
         self.active: dict[str, Active] = {}
-        self._prep = ThreadPoolExecutor(settings.prep_workers, thread_name_prefix="prep")
+        self.prep = PrepPool(prep_workers or prep_threads(settings.prep.workers))
         self._wake = asyncio.Event()
         self._done_events: dict[str, asyncio.Event] = {}
         # One event per subscriber (SSE), set on any change of the job: progress, status, end.
@@ -102,9 +93,9 @@ class JobRunner:
             if t.get_name() != "claim":
                 t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        # Jobs still waiting to be decoded are released at once, not decoded one by one only to
-        # be refused by the stopping batcher (with 64 claimed jobs that ate the whole grace).
-        self._prep.shutdown(wait=False, cancel_futures=True)
+        # Jobs still waiting for a prep thread are released at once, not decoded one by one only
+        # to be refused by the stopping batcher.
+        self.prep.shutdown()
         await self.batcher.stop(grace_s)
         tasks = [a.task for a in self.active.values()]
         if tasks:
@@ -128,7 +119,7 @@ class JobRunner:
         for ev in self._done_events.values():
             ev.set()  # open ?wait=true requests answer now: 202, their job stays queued
         for job_id in list(self._watchers):
-            self._changed(job_id)  # event streams close too (see ``stopped``)
+            self.changed(job_id)  # event streams close too (see ``stopped``)
 
     # ---- API side ----------------------------------------------------------------------------
     async def submit(self, job_id: str, upload: Path, filename: str | None, options: JobOptions,
@@ -190,13 +181,26 @@ class JobRunner:
         """Claim now: a job was queued or requeued, or a slot freed up."""
         self._wake.set()
 
-    def _changed(self, job_id: str) -> None:
+    def changed(self, job_id: str) -> None:
         for ev in self._watchers.get(job_id, ()):
             ev.set()
 
-    def progress(self, job_id: str) -> tuple[int, int] | None:
+    def progress(self, job_id: str) -> tuple[int, int | None] | None:
         a = self.active.get(job_id)
         return (a.windows_done, a.windows_total) if a else None
+
+    def finished_prefix(self, job_id: str, start: int) -> list[str] | None:
+        """Texts of the job's windows ``start``, ``start + 1``, ... up to the first one not
+        finished (streamed answers send them in order); None if the job is not running here."""
+        a = self.active.get(job_id)
+        if a is None:
+            return None
+        out = []
+        k = start
+        while k in a.results:
+            out.append(a.results[k].text.strip())
+            k += 1
+        return out
 
     async def backlog_seconds(self, max_age_s: float = 0.0) -> float:
         """Accepted audio not yet transcribed: what 429 and autoscaling look at.
@@ -232,104 +236,70 @@ class JobRunner:
     # ---- claiming ----------------------------------------------------------------------------
     async def _claim_loop(self) -> None:
         cap = self.settings.storage.max_active_jobs
+        ahead = self.prep.workers + 1  # claimed and not started: enough to keep prep busy
         while not self._stopping:
             self._wake.clear()
-            free = cap - len(self.active)
+            unstarted = sum(1 for a in self.active.values() if not a.started)
+            free = min(cap - len(self.active), ahead - unstarted)
             for job in await self.store.claim(self.replica, free, self.lease_s):
                 task = asyncio.create_task(self._run(job), name=f"job-{job.id}")
                 self.active[job.id] = Active(task)
-                self._changed(job.id)
-            # Woken by a submit or a finished job; the timeout picks up other replicas' work.
+                self.changed(job.id)
+            # Woken by a submit, a job that started or ended; the timeout picks up other
+            # replicas' work.
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), 2.0)
 
     # ---- running one job ---------------------------------------------------------------------
     async def _run(self, job: JobRow) -> None:
+        active = self.active[job.id]
         try:
-            await self._process(job)
+            if self._stopping:
+                raise ShuttingDown("service stopping; the job stays queued")
+            await self._complete(job, await JobFeed(self, job, active).run())
         except asyncio.CancelledError:
             if self._stopping:
-                # Cancelled by the drain's deadline (not by a closed prep pool): the job was in
-                # an engine call that outlived the grace, maybe a stalled one, so the run counts.
+                # Cancelled by the drain's deadline: the job was in an engine call that
+                # outlived the grace, maybe a stalled one, so the run counts.
                 task = asyncio.current_task()
                 ran = task is not None and task.cancelling() > 0
-                await self.store.release(job.id, self.replica, counts=ran)
+                await self.store.release(job.id, self.replica, active.started, counts=ran)
         except ShuttingDown:
-            await self.store.release(job.id, self.replica)
+            await self.store.release(job.id, self.replica, active.started)
         except ServiceError as exc:
             await self._fail(job, exc.body()["error"])
-        except Exception as exc:  # a bug must fail the job visibly, never leave it hanging
+        except Exception:  # a bug must fail the job visibly, never leave it hanging
             log.exception("job %s crashed", job.id)
-            await self._fail(job, {"type": "internal_error", "message": str(exc)})
+            await self._fail(job, {"type": "internal_error",
+                                   "message": "internal error; see the server log"})
         finally:
             self.active.pop(job.id, None)
             self.wake()
 
-    async def _process(self, job: JobRow) -> None:
-        loop = asyncio.get_running_loop()
-        if job.attempts > self.settings.storage.max_attempts:  # see StorageSettings.max_attempts
+    async def job_started(self, job: JobRow, active: Active) -> None:
+        """Its upload is open on a prep thread: the job's work begins, and an attempt counts."""
+        max_attempts = self.settings.storage.max_attempts  # see StorageSettings.max_attempts
+        if job.attempts >= max_attempts:
             raise TranscriptionFailed(
-                f"the service stopped {job.attempts - 1} times while running this job (a crash "
+                f"the service stopped {job.attempts} times while running this job (a crash "
                 "or a stalled engine); it is not retried again", cause="too_many_attempts")
-        if self._stopping:  # the prep pool is shut down: refuse here, not with a RuntimeError
-            raise ShuttingDown("service stopping; the job stays queued")
-        samples, windows = await loop.run_in_executor(self._prep, self._prepare, job.upload_path)
-        active = self.active[job.id]
-        active.windows_total = len(windows)
-        job.audio_seconds = round(len(samples) / SAMPLE_RATE, 3)  # decoded truth, not the header
-        del samples
-        await self.store.update(job.id, windows_total=len(windows), audio_seconds=job.audio_seconds)
-        self._changed(job.id)
-        opts = JobOptions.from_dict(job.options).decode_options()
-        results: list[WindowResult] = []
-        if windows and opts.language is None:  # detect once, on the first window, then reuse
-            results = await self._transcribe(job, windows[:1], opts, active)
-            opts = replace(opts, language=results[0].language)
-        results += await self._transcribe(job, windows[len(results):], opts, active)
-        await self._complete(job, windows, results, opts)
+        await self.store.started(job.id, self.replica)
+        active.started = True
+        self.wake()  # room to claim another
 
-    def _prepare(self, key: str) -> tuple[Any, list[Window]]:
-        """Fetch, decode and cut one upload: one prep-pool call, so a stop cannot fall between."""
-        path = self.blobs.fetch(key)
-        try:
-            return audio.prepare(path, self.vad, self.settings.limits.max_audio_s)
-        finally:
-            self.blobs.release(path)
-
-    async def _transcribe(self, job: JobRow, windows: list[Window], opts: DecodeOptions,
-                          active: Active) -> list[WindowResult]:
-        if not windows:
-            return []
-        futures = self.batcher.submit(job.id, windows, opts)
-
-        def tick(w: Window) -> Any:
-            def _done(f: asyncio.Future[WindowResult]) -> None:
-                if not f.cancelled() and f.exception() is None:
-                    active.windows_done += 1
-                    active.audio_done_s += w.duration
-                    self._log_progress(job, active)
-                    self._changed(job.id)
-            return _done
-
-        for f, w in zip(futures, windows, strict=True):
-            f.add_done_callback(tick(w))
-        try:
-            return list(await asyncio.gather(*futures))
-        finally:
-            for f in futures:
-                f.cancel()  # on failure or cancellation the job's other windows cost nothing
-
-    def _log_progress(self, job: JobRow, a: Active) -> None:
-        step = max(1, a.windows_total // 10)
-        if a.windows_total >= 10 and (a.windows_done % step == 0 or a.windows_done == a.windows_total):
+    def log_progress(self, job: JobRow, a: Active) -> None:
+        total = a.windows_total or a.windows_cut
+        step = max(1, total // 10)
+        if total >= 10 and (a.windows_done % step == 0 or a.windows_done == a.windows_total):
             elapsed = max(1e-6, time.time() - (job.started_at or job.created_at))
             log.info("job progress", extra={"job_id": job.id, "windows_done": a.windows_done,
                                             "windows_total": a.windows_total,
                                             "rtf": round(a.audio_done_s / elapsed, 2)})
 
-    async def _complete(self, job: JobRow, windows: list[Window], results: list[WindowResult],
-                        opts: DecodeOptions) -> None:
-        result = transcript(windows, results, opts.language, job.audio_seconds,
+    async def _complete(self, job: JobRow, out: Outcome) -> None:
+        opts = JobOptions.from_dict(job.options)
+        job.audio_seconds = out.seconds  # decoded truth, not the header
+        result = transcript(out.windows, out.results, out.language, out.seconds,
                             opts.word_timestamps)
         # queue wait: accepted -> claimed; processing: claimed -> done (decode, VAD, batches).
         now = time.time()
@@ -337,7 +307,8 @@ class JobRunner:
         self._ending(job.id)
         ok = await self.store.finish(
             job.id, self.replica, "done", self.settings.storage.result_ttl_s, result=result,
-            windows_total=len(windows), windows_done=len(windows),
+            windows_total=len(out.windows), windows_done=len(out.windows),
+            audio_seconds=out.seconds,
             queue_wait_s=started - job.created_at, processing_s=now - started,
         )
         if ok:
@@ -365,7 +336,7 @@ class JobRunner:
         ev = self._done_events.pop(job_id, None)
         if ev:
             ev.set()
-        self._changed(job_id)
+        self.changed(job_id)
         for hook in self.on_end:
             hook(job_id, status)
 

@@ -166,7 +166,9 @@ class JobStore:
         return await self.run(lambda c: [_row(r) for r in c.execute(q)])
 
     async def claim(self, replica: str, limit: int, lease_s: float) -> builtins.list[JobRow]:
-        """Take up to ``limit`` queued jobs, oldest first, under a lease for ``replica``."""
+        """Take up to ``limit`` queued jobs, oldest first, under a lease for ``replica``. An
+        attempt is counted when the job's work starts (:meth:`started`), not here: a claimed
+        job that a drain gives back before it started has cost nothing."""
         if limit <= 0:
             return []
 
@@ -174,8 +176,7 @@ class JobStore:
             now = time.time()  # after the select: never earlier than the rows' created_at
             return {"status": "running", "lease_owner": replica, "replica": replica,
                     "lease_expires_at": now + lease_s,
-                    "started_at": sa.func.coalesce(jobs.c.started_at, now),
-                    "attempts": jobs.c.attempts + 1}
+                    "started_at": sa.func.coalesce(jobs.c.started_at, now)}
 
         def claim(conn: sa.Connection) -> builtins.list[JobRow]:
             return claim_rows(conn, (jobs.c.status == "queued",), jobs.c.created_at, limit, values)
@@ -215,14 +216,22 @@ class JobStore:
             status="queued", lease_owner=None, lease_expires_at=None, windows_done=0)
         return await self.run(lambda c: int(c.execute(q).rowcount or 0))
 
-    async def release(self, job_id: str, replica: str, counts: bool = False) -> None:
-        """Give a claimed job back to the queue (graceful shutdown mid-job), and its attempt
-        with it unless ``counts``: only runs that died with (or held up) their process count
-        against ``max_attempts``."""
+    async def started(self, job_id: str, replica: str) -> None:
+        """The job's work begins: one more attempt (see ``StorageSettings.max_attempts``)."""
+        q = (jobs.update().where(jobs.c.id == job_id, jobs.c.lease_owner == replica)
+             .values(attempts=jobs.c.attempts + 1))
+        await self.run(lambda c: c.execute(q))
+
+    async def release(self, job_id: str, replica: str, started: bool = True,
+                      counts: bool = False) -> None:
+        """Give a claimed job back to the queue (graceful shutdown), and the attempt its start
+        took with it unless ``counts``: only runs that died with (or held up) their process
+        count against ``max_attempts``; a job that never started took none."""
+        back = 1 if started and not counts else 0
         q = (jobs.update().where(jobs.c.id == job_id, jobs.c.lease_owner == replica,
                                  jobs.c.status == "running")
              .values(status="queued", lease_owner=None, lease_expires_at=None, windows_done=0,
-                     attempts=jobs.c.attempts - (0 if counts else 1)))
+                     attempts=jobs.c.attempts - back))
         await self.run(lambda c: c.execute(q))
 
     async def update(self, job_id: str, **values: Any) -> None:

@@ -1,0 +1,170 @@
+"""One claimed job's work: its audio prepared chunk by chunk, each chunk's windows handed to the
+batcher at once, the results collected in upload order.
+
+* **Streaming.** The upload's first windows reach the batcher after one chunk of decoding
+  (``prep.chunk_s``), so a long upload's first batch runs within seconds and its decoding
+  overlaps inference; its later chunks wait their turn on the prep pool behind short uploads
+  (:class:`app.jobs.prep.PrepPool`).
+* **Memory bounded by design.** The next chunk is prepared only while fewer than
+  ``prep.ahead_windows`` of the job's windows are waiting for results; a window's samples are
+  released as soon as its result is back. So a 4-hour upload holds about a chunk of audio and
+  that many windows, never its whole PCM.
+* **Language.** Without a language every window carries the upload's
+  :class:`~app.windows.LanguageChoice`: the first detection decides it (in the same engine call
+  that encodes the window), and no window waits for it or runs alone at 30 s to detect.
+* **Duration truth.** The backlog counts the header's duration until decoding passes it; then
+  it counts the decoded length (a header that lies cannot hide audio from the backlog).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from app.audio import AudioStream
+from app.errors import InvalidAudio
+from app.jobs.store import JobRow
+from app.windows import WINDOW_S, JobOptions, Window, WindowResult
+
+if TYPE_CHECKING:
+    from app.jobs.runner import JobRunner
+
+EMPTY = np.zeros(0, dtype=np.float32)
+DURATION_SLACK_S = 10.0  # decoded audio past the header's duration before the backlog is told
+
+
+@dataclass
+class Active:
+    """A job running in this process, as the API and housekeeping see it."""
+
+    task: asyncio.Task[None]
+    started: bool = False  # its work began (an attempt counts); claimed but unstarted otherwise
+    windows_total: int | None = None  # known once its audio is all cut
+    windows_cut: int = 0
+    windows_done: int = 0
+    audio_done_s: float = 0.0
+    ending: bool = False  # being finished: its audio leaves the backlog with its store row
+    results: dict[int, WindowResult] = field(default_factory=dict)  # by window index
+    texts_from: int = 0  # see JobRunner.finished_prefix
+    room: asyncio.Event = field(default_factory=asyncio.Event)  # set: the next chunk may go
+
+
+@dataclass
+class Outcome:
+    windows: list[Window]  # their samples released; start and end kept
+    results: list[WindowResult]
+    seconds: float  # decoded length
+    language: str | None
+
+
+class JobFeed:
+    def __init__(self, runner: JobRunner, job: JobRow, active: Active) -> None:
+        self.runner = runner
+        self.job = job
+        self.active = active
+        self.options = JobOptions.from_dict(job.options)
+        self.key = self.options.decode_options()
+        self.prompt = self.options.prompt()
+        self.windows: list[Window] = []
+        self.futures: list[asyncio.Future[WindowResult]] = []
+        self._counted_s = job.audio_seconds
+
+    async def run(self) -> Outcome:
+        r = self.runner
+        prep = r.prep
+        path = await prep.run(0, r.blobs.fetch, self.job.upload_path)
+        try:
+            stream = await prep.run(0, AudioStream, path, r.vad, r.settings.limits.max_audio_s,
+                                    r.settings.prep.chunk_s)
+            try:
+                await r.job_started(self.job, self.active)
+                chunk = 0
+                while not stream.done:
+                    await self._room()
+                    windows = await prep.run(chunk, stream.next_chunk)
+                    chunk += 1
+                    self._submit(windows, stream)
+                    await self._count_real_length(stream.seconds)
+                    if self.options.detect_only and self.windows:
+                        break
+            finally:
+                await asyncio.to_thread(stream.close)  # a container mid-decode: close it
+        finally:
+            await asyncio.to_thread(r.blobs.release, path)
+        if not stream.samples:
+            raise InvalidAudio("the upload contains no decodable audio samples")
+        self.active.windows_total = len(self.windows)
+        r.changed(self.job.id)
+        try:
+            results = list(await asyncio.gather(*self.futures))
+        finally:
+            for f in self.futures:
+                f.cancel()  # on failure or cancellation the job's other windows cost nothing
+        choice = self.prompt.choice
+        language = self.options.language or (choice.language if choice else None)
+        if language is None and results:
+            language = results[0].language
+        return Outcome(self.windows, results, round(stream.seconds, 3), language)
+
+    def _estimate(self, stream: AudioStream) -> int:
+        """The job's size in windows, for the batcher (short request or long upload): the
+        header's duration until all of it is cut."""
+        if stream.done:
+            return len(self.windows)
+        return max(len(self.windows), math.ceil(self.job.audio_seconds / WINDOW_S))
+
+    def _submit(self, windows: list[Window], stream: AudioStream) -> None:
+        if self.options.detect_only:
+            windows = windows[:1] if not self.windows else []
+        if not windows:
+            return
+        first = len(self.windows)
+        for w in windows:
+            w.prompt = self.prompt
+        self.windows += windows
+        self.active.windows_cut = len(self.windows)
+        futures = self.runner.batcher.submit(self.job.id, windows, self.key, first_rank=first,
+                                             job_windows=self._estimate(stream),
+                                             owner=self.job.owner)
+        for k, (f, w) in enumerate(zip(futures, windows, strict=True)):
+            f.add_done_callback(self._done(first + k, w))
+        self.futures += futures
+
+    def _done(self, index: int, w: Window) -> Any:
+        def done(f: asyncio.Future[WindowResult]) -> None:
+            duration = w.duration
+            w.audio = EMPTY  # its result is back: the samples go
+            self._update_room()
+            if f.cancelled() or f.exception() is not None:
+                return
+            a = self.active
+            a.results[index] = f.result()
+            a.windows_done += 1
+            a.audio_done_s += duration
+            self.runner.log_progress(self.job, a)
+            self.runner.changed(self.job.id)
+        return done
+
+    def _waiting(self) -> int:
+        return sum(1 for f in self.futures if not f.done())
+
+    def _update_room(self) -> None:
+        if self._waiting() < self.runner.settings.prep.ahead_windows:
+            self.active.room.set()
+        else:
+            self.active.room.clear()
+
+    async def _room(self) -> None:
+        self._update_room()
+        await self.active.room.wait()
+
+    async def _count_real_length(self, seconds: float) -> None:
+        """Past the header's duration (and a margin): the backlog counts the decoded length."""
+        if seconds > self._counted_s + DURATION_SLACK_S:
+            self._counted_s = seconds
+            await self.runner.store.update(self.job.id, audio_seconds=round(seconds, 3))
+
