@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +43,9 @@ class Active:
     windows_done: int = 0
     audio_done_s: float = 0.0
     ending: bool = False  # being finished: its audio leaves the backlog with its store row
+    # ---- issue 21 (OpenAI stream=true): each window's result as it finishes, by its index in
+    # the job (upload order); read through JobRunner.finished_prefix. ----
+    results: dict[int, WindowResult] = field(default_factory=dict)
 
 
 def new_job_id() -> str:
@@ -198,6 +201,21 @@ class JobRunner:
         a = self.active.get(job_id)
         return (a.windows_done, a.windows_total) if a else None
 
+    # ---- issue 21 (OpenAI stream=true) -------------------------------------------------------
+    def finished_prefix(self, job_id: str, start: int) -> list[str] | None:
+        """The texts of the job's windows ``start``, ``start + 1``, ... up to the first one not
+        finished yet, in upload order (windows finish in any order; a stream must not skip one).
+        None when the job is not active on this replica: queued, ended, or run by another one.
+        ``watch`` fires once per finished window, so a reader wakes for each."""
+        a = self.active.get(job_id)
+        if a is None:
+            return None
+        out: list[str] = []
+        while (r := a.results.get(start + len(out))) is not None:
+            out.append(r.text)
+        return out
+    # ---- end issue 21 --------------------------------------------------------------------------
+
     async def backlog_seconds(self, max_age_s: float = 0.0) -> float:
         """Accepted audio not yet transcribed: what 429 and autoscaling look at.
 
@@ -285,7 +303,8 @@ class JobRunner:
         if windows and opts.language is None:  # detect once, on the first window, then reuse
             results = await self._transcribe(job, windows[:1], opts, active)
             opts = replace(opts, language=results[0].language)
-        results += await self._transcribe(job, windows[len(results):], opts, active)
+        results += await self._transcribe(job, windows[len(results):], opts, active,
+                                          first=len(results))
         await self._complete(job, windows, results, opts)
 
     def _prepare(self, key: str) -> tuple[Any, list[Window]]:
@@ -297,22 +316,24 @@ class JobRunner:
             self.blobs.release(path)
 
     async def _transcribe(self, job: JobRow, windows: list[Window], opts: DecodeOptions,
-                          active: Active) -> list[WindowResult]:
+                          active: Active, first: int = 0) -> list[WindowResult]:
+        """``first``: the index of ``windows[0]`` in the job (keys ``Active.results``)."""
         if not windows:
             return []
         futures = self.batcher.submit(job.id, windows, opts)
 
-        def tick(w: Window) -> Any:
+        def tick(i: int, w: Window) -> Any:
             def _done(f: asyncio.Future[WindowResult]) -> None:
                 if not f.cancelled() and f.exception() is None:
+                    active.results[i] = f.result()  # issue 21: before _changed wakes a stream
                     active.windows_done += 1
                     active.audio_done_s += w.duration
                     self._log_progress(job, active)
                     self._changed(job.id)
             return _done
 
-        for f, w in zip(futures, windows, strict=True):
-            f.add_done_callback(tick(w))
+        for i, (f, w) in enumerate(zip(futures, windows, strict=True)):
+            f.add_done_callback(tick(first + i, w))
         try:
             return list(await asyncio.gather(*futures))
         finally:
