@@ -23,6 +23,7 @@ Unknown query parameters (Bazarr's ``video_file``) are ignored, as they are ther
 
 from __future__ import annotations
 
+import json
 import wave
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -113,8 +114,6 @@ def asr_json(result: dict[str, Any], words: bool) -> dict[str, Any]:
 
 
 def asr_body(result: dict[str, Any], output: str, words: bool, cue: CueOptions) -> str:
-    import json
-
     if output == "json":
         return json.dumps(asr_json(result, words), ensure_ascii=False)
     if output == "txt":  # one line per segment
