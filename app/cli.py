@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="service URL (env BATCHSCRIBE_URL)")
     t.add_argument("--api-key", default=os.environ.get("BATCHSCRIBE_API_KEY"),
                    help="bearer key, when the service requires one (env BATCHSCRIBE_API_KEY)")
-    t.add_argument("--format", "-f", choices=("text", "srt", "vtt", "json"), default="text")
+    t.add_argument("--format", "-f", choices=("text", "srt", "vtt", "tsv", "json"), default="text")
     t.add_argument("--language", help="ISO 639-1 code; detected when absent")
     t.add_argument("--task", choices=("transcribe", "translate"), default="transcribe")
     t.add_argument("--word-timestamps", action="store_true",
@@ -56,7 +56,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def submit(client: httpx.Client, path: Path, args: argparse.Namespace) -> str:
     data = {"task": args.task,
-            "word_timestamps": str(args.word_timestamps or args.format in ("srt", "vtt")).lower()}
+            "word_timestamps": str(args.word_timestamps or args.format in ("srt", "vtt", "tsv")).lower()}
     if args.language:
         data["language"] = args.language
     for _ in range(MAX_429_RETRIES):

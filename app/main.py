@@ -19,7 +19,7 @@ from typing import cast
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api import events, health, jobs, openai, transcribe
+from app.api import asr, events, health, jobs, openai, status, transcribe, web
 from app.api.limits import install_limits
 from app.audio.vad import make_vad
 from app.batching.batcher import Batcher
@@ -168,6 +168,9 @@ def create_app(settings: Settings | None = None,
     app.include_router(health.router)
     app.include_router(events.router)
     app.include_router(openai.router)
+    app.include_router(asr.router)  # whisper-asr-webservice's API (Bazarr)
+    app.include_router(status.router)
+    app.include_router(web.router)  # the page at /
     # Added innermost first: http_metrics sees every answer, keys are checked before any body
     # byte is read, and the size limit counts bytes as they stream.
     install_limits(app, settings.limits)

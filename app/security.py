@@ -23,6 +23,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.config import SecuritySettings
 from app.errors import ServiceError
+from app.web import PAGE_PATHS
 
 OWNER_CHARS = 16  # 64 bits of the digest: unique among any realistic number of keys
 REALM = "batchscribe"
@@ -65,7 +66,7 @@ class KeyRing:
 
 
 def open_paths(settings: SecuritySettings) -> frozenset[str]:
-    paths = set(DOC_PATHS)
+    paths = set(DOC_PATHS) | PAGE_PATHS  # the page at / is public like /docs; its calls carry a key
     if settings.open_health:
         paths |= HEALTH_PATHS
     if settings.open_metrics:

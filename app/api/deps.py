@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Annotated
 
-from fastapi import Request
+from fastapi import Form, Query, Request
 
 from app.errors import NotFound, NotReady
+from app.formats import LINE_CHARS, CueOptions
 from app.jobs.store import JobRow
 from app.schemas import Job, Progress, Transcription, WebhookState
 from app.state import AppState
@@ -69,3 +71,25 @@ def webhook_state(row: JobRow) -> WebhookState | None:
         next_attempt_at=row.webhook_next_at if row.webhook_status == "pending" else None,
         last_error=row.webhook_last_error, delivered_at=row.webhook_delivered_at,
     )
+
+
+# Subtitle cue options (srt, vtt, tsv), the same on every route that renders subtitles.
+WIDTH_HELP = "Characters per subtitle line (srt, vtt)."
+COUNT_HELP = "Lines per cue; a longer segment becomes several cues (srt, vtt, tsv). Unset: no limit."
+CUE_S_HELP = "Longest cue in seconds; a longer segment becomes several cues (srt, vtt, tsv)."
+
+
+def cue_query(
+    max_line_width: Annotated[int, Query(ge=10, le=1000, description=WIDTH_HELP)] = LINE_CHARS,
+    max_line_count: Annotated[int | None, Query(ge=1, le=20, description=COUNT_HELP)] = None,
+    max_cue_s: Annotated[float | None, Query(ge=1, le=600, description=CUE_S_HELP)] = None,
+) -> CueOptions:
+    return CueOptions(max_line_width, max_line_count, max_cue_s)
+
+
+def cue_form(
+    max_line_width: Annotated[int, Form(ge=10, le=1000, description=WIDTH_HELP)] = LINE_CHARS,
+    max_line_count: Annotated[int | None, Form(ge=1, le=20, description=COUNT_HELP)] = None,
+    max_cue_s: Annotated[float | None, Form(ge=1, le=600, description=CUE_S_HELP)] = None,
+) -> CueOptions:
+    return CueOptions(max_line_width, max_line_count, max_cue_s)

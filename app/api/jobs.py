@@ -1,15 +1,15 @@
-"""Job status, results in four formats, listing and cancellation."""
+"""Job status, results in five formats, listing and cancellation."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
-from app.api.deps import Caller, caller, load_job, state, to_job
+from app.api.deps import Caller, caller, cue_query, load_job, state, to_job
 from app.errors import Conflict
-from app.formats import MEDIA_TYPES, render
+from app.formats import MEDIA_TYPES, CueOptions, Format, render
 from app.schemas import ErrorBody, Job, JobList
 from app.state import AppState
 
@@ -37,7 +37,8 @@ async def get_job(job_id: str, st: AppState = Depends(state), who: Caller = Depe
 )
 async def get_result(
     job_id: str,
-    format: Annotated[Literal["json", "text", "srt", "vtt"], Query()] = "json",
+    format: Annotated[Format, Query()] = "json",
+    cue: CueOptions = Depends(cue_query),
     st: AppState = Depends(state), who: Caller = Depends(caller),
 ) -> Response:
     job = await load_job(st, job_id, who)
@@ -46,7 +47,7 @@ async def get_result(
                        status=job.status, error=job.error)
     if format == "json":
         return JSONResponse(job.result)
-    return PlainTextResponse(render(job.result, format), media_type=MEDIA_TYPES[format])
+    return PlainTextResponse(render(job.result, format, cue), media_type=MEDIA_TYPES[format])
 
 
 @router.delete("/jobs/{job_id}", response_model=Job, responses=NOT_FOUND)

@@ -161,7 +161,7 @@ async def admitted(st: AppState, audio_s: float) -> AsyncIterator[None]:
 
 
 class BacklogGate:
-    """POST /transcribe while the backlog is already full: 429 before the body is read.
+    """An upload (``GATED_PATHS``) while the backlog is already full: 429 before the body is read.
 
     In a burst the rejected clients then cost a header each, not an upload spooled to disk and
     probed only to be refused. The exact check (with the upload's duration) is in the endpoint.
@@ -171,7 +171,7 @@ class BacklogGate:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == "/transcribe":
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GATED_PATHS:
             st: AppState | None = getattr(scope["app"].state, "bs", None)
             if st is not None and st.ready:
                 try:
@@ -182,6 +182,7 @@ class BacklogGate:
         await self.app(scope, receive, send)
 
 
+GATED_PATHS = frozenset({"/transcribe", "/asr", "/detect-language"})
 MIN_UPLOAD_S = 0.1  # the gate assumes the shortest upload worth sending
 # The gate may read a backlog this old instead of querying the store on every request (the
 # exact check after the upload always queries): under load that query cost engine CPU.

@@ -28,10 +28,11 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from app.api.deps import Caller, caller, ready_state, state
-from app.api.transcribe import accept_upload, decode_options
+from app.api import openai_stream
+from app.api.deps import Caller, caller, cue_form, ready_state, state
+from app.api.transcribe import HOTWORDS_HELP, accept_upload, decode_options
 from app.errors import BadRequest, ServiceError, openai_body
-from app.formats import MEDIA_TYPES, render
+from app.formats import MEDIA_TYPES, CueOptions, render
 from app.jobs.store import TERMINAL, JobRow
 from app.state import AppState
 
@@ -99,7 +100,8 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {c: {"model": OpenAIError} for c in codes}
 
 
-SUBTITLES = {"content": {MEDIA_TYPES[f]: {"schema": {"type": "string"}} for f in ("text", "srt", "vtt")}}
+SUBTITLES = {"content": {MEDIA_TYPES[f]: {"schema": {"type": "string"}} for f in ("text", "srt", "vtt")}
+             | {"text/event-stream": {"schema": {"type": "string"}}}}  # issue 21: stream=true
 AUDIO_RESPONSES = {200: {"model": OpenAITranscription, **SUBTITLES},
                    **_errors(400, 404, 409, 413, 415, 422, 429, 500, 503, 504)}
 
@@ -184,34 +186,45 @@ async def transcriptions(
     granularities: Annotated[list[Granularity] | None, Form(alias="timestamp_granularities[]")] = None,
     granularities_plain: Annotated[list[Granularity] | None,
                                    Form(alias="timestamp_granularities")] = None,
+    # issue 21: Server-Sent Events as windows finish (app/api/openai_stream.py), and hotwords.
+    stream: Annotated[bool, Form(description="Server-Sent Events: transcript.text.delta as "
+                                 "windows finish, then transcript.text.done (json/text).")] = False,
+    hotwords: Annotated[str | None, Form(max_length=1000, description=HOTWORDS_HELP)] = None,
+    cue: CueOptions = Depends(cue_form),
     st: AppState = Depends(ready_state), who: Caller = Depends(caller),
 ) -> Response:
     gran: set[str] = set(granularities or []) | set(granularities_plain or [])
     return await _run(request, st, who, file, model, "transcribe", language, prompt,
-                      response_format, temperature, gran)
+                      response_format, temperature, gran, cue, stream, hotwords)
 
 
 @router.post("/audio/translations", response_model=None, responses=AUDIO_RESPONSES)
 async def translations(
     request: Request, file: FileField, model: ModelField, prompt: PromptField = None,
     response_format: FormatField = "json", temperature: TemperatureField = 0.0,
+    cue: CueOptions = Depends(cue_form),
     st: AppState = Depends(ready_state), who: Caller = Depends(caller),
 ) -> Response:
     """Speech in any language to English text (Whisper's translate task)."""
     return await _run(request, st, who, file, model, "translate", None, prompt, response_format,
-                      temperature, set())
+                      temperature, set(), cue)
 
 
 async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, model: str,
                task: str, language: str | None, prompt: str | None, fmt: str,
-               temperature: float, gran: set[str]) -> Response:
+               temperature: float, gran: set[str], cue: CueOptions | None = None,
+               stream: bool = False, hotwords: str | None = None) -> Response:
     check_model(st, model)
     if "word" in gran and fmt != "verbose_json":
         raise BadRequest("timestamp_granularities word needs response_format=verbose_json",
                          field="timestamp_granularities[]")
+    if stream and fmt not in ("json", "text"):  # issue 21: deltas are text
+        raise BadRequest("stream=true needs response_format json or text", field="stream")
     aligned = fmt in ("verbose_json", "srt", "vtt")
-    options = decode_options(st, language, task, None, prompt, temperature, aligned)
+    options = decode_options(st, language, task, None, prompt, temperature, aligned, hotwords)
     job_id = await accept_upload(st, file, options, who)
+    if stream:  # issue 21
+        return openai_stream.stream_response(st, job_id, {"X-Batchscribe-Job-Id": job_id})
     row = await _wait(request, st, job_id)
     headers = {"X-Batchscribe-Job-Id": job_id}
     if row is not None and row.status not in TERMINAL and st.runner.stopped:
@@ -226,7 +239,7 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
         return JSONResponse({"text": result["text"]}, headers=headers)
     if fmt == "verbose_json":
         return JSONResponse(verbose_json(result, task, "word" in gran), headers=headers)
-    return PlainTextResponse(render(result, fmt), media_type=MEDIA_TYPES[fmt], headers=headers)
+    return PlainTextResponse(render(result, fmt, cue), media_type=MEDIA_TYPES[fmt], headers=headers)
 
 
 async def _wait(request: Request, st: AppState, job_id: str) -> JobRow | None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -32,9 +33,14 @@ def whisper_languages() -> frozenset[str]:
     return frozenset(_LANGUAGE_CODES)
 
 
+HOTWORDS_HELP = ("Words or phrases to bias the transcript towards (names, jargon), as in "
+                 "faster-whisper: added to each window's prompt.")
+Spool = Callable[[UploadFile, Path, int], int]
+
+
 def decode_options(st: AppState, language: str | None, task: str, beam_size: int | None,
                    initial_prompt: str | None, temperature: float = 0.0,
-                   word_timestamps: bool = False) -> JobOptions:
+                   word_timestamps: bool = False, hotwords: str | None = None) -> JobOptions:
     lang = (language or "").strip().lower() or None
     if lang is not None and lang not in st.languages:
         raise BadRequest(f"unknown language {language!r}; use an ISO 639-1 code such as 'en'",
@@ -43,6 +49,7 @@ def decode_options(st: AppState, language: str | None, task: str, beam_size: int
         language=lang, task=task,  # type: ignore[arg-type]
         beam_size=beam_size or st.settings.default_beam_size,
         initial_prompt=(initial_prompt or "").strip() or None,
+        hotwords=" ".join((hotwords or "").split()) or None,
         temperature=float(temperature), word_timestamps=word_timestamps,
     )
 
@@ -61,14 +68,18 @@ def spool_upload(src: UploadFile, dest: Path, max_bytes: int) -> int:
 
 
 async def accept_upload(st: AppState, file: UploadFile, options: JobOptions,
-                        who: Caller, callback_url: str | None = None) -> str:
-    """Spool + probe + backpressure + commit. Returns the new job id (the row is committed)."""
+                        who: Caller, callback_url: str | None = None,
+                        spool: Spool = spool_upload) -> str:
+    """Spool + probe + backpressure + commit. Returns the new job id (the row is committed).
+
+    ``spool`` copies the upload to its spool path and returns the bytes written (raw PCM uploads
+    of the whisper-asr-webservice API are wrapped in a WAV header on the way: app/api/asr.py)."""
     callback_url = check_callback_url(st.settings.webhooks, callback_url)  # before any spooling
     job_id = new_job_id()
     # The client's file name is display-only; the spool path is our random id.
     dest = st.spool_dir / job_id
     try:
-        size = await run_in_threadpool(spool_upload, file, dest, st.settings.limits.max_upload_bytes)
+        size = await run_in_threadpool(spool, file, dest, st.settings.limits.max_upload_bytes)
         if size == 0:
             raise InvalidAudio("the uploaded file is empty")
         info = await run_in_threadpool(audio.probe, dest, st.settings.limits.max_audio_s)
@@ -89,6 +100,7 @@ async def transcribe(
     task: Annotated[Literal["transcribe", "translate"], Form()] = "transcribe",
     beam_size: Annotated[int | None, Form(ge=1, le=10)] = None,
     initial_prompt: Annotated[str | None, Form(max_length=1000)] = None,
+    hotwords: Annotated[str | None, Form(max_length=1000, description=HOTWORDS_HELP)] = None,
     temperature: Annotated[float, Form(ge=0, le=1, description="0: beam/greedy; > 0: sampling.")] = 0.0,
     word_timestamps: Annotated[bool, Form(description="Add word start/end times.")] = False,
     callback_url: Annotated[str | None, Form(
@@ -99,7 +111,7 @@ async def transcribe(
     who: Caller = Depends(caller),
 ) -> JSONResponse:
     options = decode_options(st, language, task, beam_size, initial_prompt, temperature,
-                             word_timestamps)
+                             word_timestamps, hotwords)
     job_id = await accept_upload(st, file, options, who, callback_url)
     if wait:
         # On timeout the job keeps running; the client gets 202 and polls status_url.

@@ -143,9 +143,21 @@ class DecodePool:
         return None, deadline
 
     def take(self, key: GroupKey, limit: int) -> list[Item]:
+        """Up to ``limit`` windows of a group, round robin across API keys (oldest first within
+        a key): a key flooding the pool gets one place per round, like every other key."""
         group = self.groups[key]
-        items = group[:limit]
-        del group[:len(items)]
+        if len({i.owner for i in group}) > 1:
+            seen: dict[str | None, int] = {}
+            ranked = []
+            for n, i in enumerate(group):
+                seen[i.owner] = seen.get(i.owner, -1) + 1
+                ranked.append((seen[i.owner], n))
+            order = [group[n] for _, n in sorted(ranked)]
+        else:
+            order = group
+        items = order[:limit]
+        taken = set(map(id, items))
+        group[:] = [i for i in group if id(i) not in taken]
         if not group:
             del self.groups[key]
         return items

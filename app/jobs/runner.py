@@ -190,16 +190,16 @@ class JobRunner:
         return (a.windows_done, a.windows_total) if a else None
 
     def finished_prefix(self, job_id: str, start: int) -> list[str] | None:
-        """Texts of the job's windows ``start``, ``start + 1``, ... up to the first one not
-        finished (streamed answers send them in order); None if the job is not running here."""
+        """The texts of the job's windows ``start``, ``start + 1``, ... up to the first one not
+        finished yet, in upload order (windows finish in any order; a stream must not skip one).
+        None when the job is not active on this replica: queued, ended, or run by another one.
+        ``watch`` fires once per finished window, so a reader wakes for each."""
         a = self.active.get(job_id)
         if a is None:
             return None
-        out = []
-        k = start
-        while k in a.results:
-            out.append(a.results[k].text.strip())
-            k += 1
+        out: list[str] = []
+        while (r := a.results.get(start + len(out))) is not None:
+            out.append(r.text)
         return out
 
     async def backlog_seconds(self, max_age_s: float = 0.0) -> float:

@@ -1,0 +1,117 @@
+"""OpenAI ``stream=true`` on /v1/audio/transcriptions: Server-Sent Events as windows finish.
+
+OpenAI's API and speaches answer a streamed transcription with ``data:`` lines carrying
+``{"type": "transcript.text.delta", "delta": ...}`` events and a last
+``{"type": "transcript.text.done", "text": ...}``; the ``openai`` client's stream iterator reads
+exactly these. For a long upload it is the only way a synchronous client sees text before its
+own time-out, so the stream has no time limit of its own and sends a comment line as a
+keep-alive whenever nothing else was sent for ``KEEPALIVE_S``.
+
+Deltas follow the upload's order: a window's text is sent once it and every window before it
+have finished (:meth:`app.jobs.runner.JobRunner.finished_prefix`), joined with single spaces as
+the final transcript joins them, so the deltas add up to the ``done`` event's text. A job run
+by another replica streams too: keep-alives while the store says it runs, then one delta with
+the whole text. A failed or cancelled job ends the stream with OpenAI's error event
+(``{"error": {...}}``, which the client raises as ``APIError``). When the client hangs up, the
+job is cancelled: nobody can collect its answer (as for the non-streamed call).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi.responses import StreamingResponse
+
+from app.errors import openai_body
+from app.jobs.store import TERMINAL, JobRow
+from app.state import AppState
+
+log = logging.getLogger(__name__)
+# Proxies commonly drop a connection idle for 60 s (nginx's proxy_read_timeout default).
+KEEPALIVE_S = 10.0
+_cleanups: set[asyncio.Task[None]] = set()  # cancellations of abandoned jobs, until they finish
+
+
+def event(data: dict[str, Any]) -> bytes:
+    return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
+
+
+def delta_event(delta: str) -> bytes:
+    return event({"type": "transcript.text.delta", "delta": delta, "logprobs": None})
+
+
+def stream_response(st: AppState, job_id: str, headers: dict[str, str]) -> StreamingResponse:
+    return StreamingResponse(
+        transcript_events(st, job_id), media_type="text/event-stream",
+        # no-transform / X-Accel-Buffering: proxies must not buffer or compress the stream.
+        headers={**headers, "Cache-Control": "no-cache, no-transform", "X-Accel-Buffering": "no"},
+    )
+
+
+async def transcript_events(st: AppState, job_id: str) -> AsyncIterator[bytes]:
+    sent_windows = 0
+    text = ""
+    ended = False
+    try:
+        with st.runner.watch(job_id) as changed:
+            while True:
+                changed.clear()  # before reading: a change during the reads wakes the next wait
+                for piece in st.runner.finished_prefix(job_id, sent_windows) or ():
+                    sent_windows += 1
+                    piece = piece.strip()
+                    if piece:
+                        delta = f" {piece}" if text else piece
+                        text += delta
+                        yield delta_event(delta)
+                row = await st.store.get(job_id)
+                if row is None or row.status in TERMINAL:
+                    ended = True
+                    for chunk in _end(row, job_id, text):
+                        yield chunk
+                    return
+                if st.runner.stopped:  # draining: this job will not finish here
+                    yield event(openai_body(503, "the service is restarting; retry the request",
+                                            code="shutting_down"))
+                    return
+                try:
+                    await asyncio.wait_for(changed.wait(), KEEPALIVE_S)
+                except TimeoutError:
+                    yield b": keep-alive\n\n"
+    finally:
+        if not ended:  # the client hung up, or the service is draining
+            task = asyncio.get_running_loop().create_task(_cancel(st, job_id))
+            _cleanups.add(task)
+            task.add_done_callback(_cleanups.discard)
+
+
+def _end(row: JobRow | None, job_id: str, sent: str) -> list[bytes]:
+    if row is None:
+        return [event(openai_body(404, f"job {job_id} no longer exists", code="not_found"))]
+    if row.status == "failed":
+        err = row.error or {}
+        return [event(openai_body(500, str(err.get("message", "transcription failed")),
+                                  code=str(err.get("type", "transcription_failed"))))]
+    if row.status != "done" or row.result is None:
+        return [event(openai_body(409, f"job {job_id} was {row.status}", code=row.status))]
+    final = str(row.result.get("text", ""))
+    out = []
+    if final.startswith(sent):
+        if rest := final[len(sent):]:
+            out.append(delta_event(rest))  # the windows not seen here (another replica ran them)
+    else:  # the transcript was assembled differently from the windows' texts
+        log.warning("stream of job %s: deltas are not a prefix of the final text", job_id)
+    out.append(event({"type": "transcript.text.done", "text": final, "logprobs": None}))
+    return out
+
+
+async def _cancel(st: AppState, job_id: str) -> None:
+    try:
+        row = await st.store.get(job_id)
+        if row is not None and row.status not in TERMINAL:
+            await st.runner.cancel(row)
+    except Exception:  # the store is closing: the job stays; a restart resumes it
+        log.warning("could not cancel job %s after its stream ended", job_id, exc_info=True)

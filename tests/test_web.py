@@ -1,0 +1,128 @@
+"""The page at /, in a real browser: Playwright driving Debian's chromium, headless.
+
+A service with API keys: the page itself loads without one (like /docs), asks for a key, refuses
+a wrong one, then uploads two corpus clips, follows their event streams, shows the transcripts
+and the service's state, and downloads subtitles. ``playwright install`` is never run (it
+downloads browsers; the network is closed): the browser is the distribution's, installed by
+``scripts/test`` like postgresql. With ``CI`` set, a missing browser fails the test.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import srt
+
+from tests.conftest import Clip, Server
+from tests.wer import wer
+
+pytestmark = pytest.mark.model
+
+CHROMIUM = Path(os.environ.get("BATCHSCRIBE_CHROMIUM", "/usr/bin/chromium"))
+ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+        "--disable-component-update", "--disable-sync", "--no-first-run"]
+KEY = "page-key-3c9e1f7a5b"
+DONE_MS = 300_000  # a hang guard for two short clips on a busy machine, not a speed claim
+
+
+def missing(what: str) -> None:
+    if os.environ.get("CI"):
+        pytest.fail(f"{what} (scripts/test installs it)")
+    pytest.skip(what)
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        missing("the playwright package is not installed (the test extra)")
+    if not (CHROMIUM.is_file() or shutil.which(str(CHROMIUM))):
+        missing(f"no chromium at {CHROMIUM} (apt-get install chromium)")
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+        yield b
+        b.close()
+
+
+@pytest.fixture(scope="module")
+def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    digest = hashlib.sha256(KEY.encode()).hexdigest()
+    srv = Server(tmp_path_factory.mktemp("web"),
+                 env={"BATCHSCRIBE_SECURITY__API_KEY_SHA256": digest}).start()
+    yield srv
+    srv.terminate()
+
+
+def test_page_is_public_and_the_api_is_not(keyed: Server) -> None:
+    with httpx.Client(base_url=keyed.url, timeout=30) as c:
+        page = c.get("/")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert "script-src 'self'" in page.headers["content-security-policy"]
+        for asset in ("/web/app.js", "/web/style.css"):
+            assert c.get(asset).status_code == 200
+        assert c.get("/web/__init__.py").status_code == 401  # only the page's files are public
+        assert c.get("/status").status_code == 401
+        assert c.post("/asr", files={"audio_file": ("a", b"\0" * 64)}).status_code == 401
+        status = c.get("/status", headers={"Authorization": f"Bearer {KEY}"}).json()
+        assert status["ready"] is True and status["workers"] >= 1
+
+
+def test_upload_follow_read_and_download(browser: Any, keyed: Server, clips: list[Clip],
+                                         tmp_path: Path) -> None:
+    by_id = {c.id: c for c in clips}
+    picked = [by_id["librivox-shakespeare-sonnet-1"], by_id["jfk-inaugural-1961"]]
+    context = browser.new_context(accept_downloads=True)
+    page = context.new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(keyed.url + "/")
+
+    page.wait_for_selector("#key-form:not([hidden])")  # the service wants a key: the page asks
+    page.fill("#key", "not-the-key")
+    page.click("#key-save")
+    page.wait_for_function("document.getElementById('key-error').textContent.includes('not accepted')")
+    page.fill("#key", KEY)
+    page.click("#key-save")
+    page.wait_for_selector("#st-ready.ok")
+    assert page.is_hidden("#key-form") and page.is_visible("#drop")
+
+    page.set_input_files("#files", [str(c.path) for c in picked])
+    jobs = page.locator(".job")
+    for k in range(len(picked)):
+        jobs.nth(k).locator(".transcript .text").wait_for(timeout=DONE_MS)
+    for k, clip in enumerate(picked):
+        job = jobs.nth(k)
+        assert job.get_attribute("data-state") == "done"
+        assert job.locator(".name").inner_text() == clip.path.name
+        # Progress came from the job's event stream, and the bar ended full.
+        assert int(job.get_attribute("data-progress-events") or 0) >= 1
+        bar = job.locator("progress")
+        assert bar.evaluate("b => b.value === b.max")
+        text = job.locator(".transcript .text").inner_text()
+        assert wer([clip.reference], [text]) < 0.3, text
+
+        with page.expect_download() as dl:
+            job.locator(".downloads button[data-format=srt]").click()
+        assert dl.value.suggested_filename == clip.path.stem + ".srt"
+        cues = list(srt.parse(Path(dl.value.path()).read_text()))
+        assert cues and all(c.end.total_seconds() <= clip.duration_s + 0.05 for c in cues)
+        with page.expect_download() as dl:
+            job.locator(".downloads button[data-format=json]").click()
+        assert json.loads(Path(dl.value.path()).read_text())["text"] == text
+
+    sonnet = jobs.nth(0)
+    assert int(sonnet.get_attribute("data-progress-events") or 0) >= 2  # two windows: seen move
+    # The state panel read /status with the key: the engine has run batches by now.
+    page.wait_for_function("document.getElementById('st-batch').textContent.includes('windows')")
+    assert "ready" in page.inner_text("#st-ready")
+    assert errors == []
+    context.close()
