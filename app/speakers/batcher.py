@@ -53,6 +53,7 @@ class ModelBatcher(Generic[T, R]):
         self._queues: OrderedDict[Hashable, deque[_Item[T, R]]] = OrderedDict()  # per job
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._running: list[_Item[T, R]] = []  # the batch inside the model call now
         self.calls = 0  # model calls made (batches, retries included)
         self.items = 0  # items that went through them
         self.shared_calls = 0  # calls that held items of more than one job
@@ -62,17 +63,18 @@ class ModelBatcher(Generic[T, R]):
             self._task = asyncio.get_running_loop().create_task(self._loop(), name=self.name)
 
     async def stop(self) -> None:
-        """Stop the owner task; queued items fail with ``RuntimeError``."""
+        """Stop the owner task; queued items and the batch in the model fail with
+        ``RuntimeError`` (a model call cannot be interrupted; its result is dropped)."""
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for q in self._queues.values():
-            for it in q:
-                if not it.future.done():
-                    it.future.set_exception(RuntimeError(f"{self.name} batcher stopped"))
+        for it in [*self._running, *(i for q in self._queues.values() for i in q)]:
+            if not it.future.done():
+                it.future.set_exception(RuntimeError(f"{self.name} batcher stopped"))
         self._queues.clear()
+        self._running = []
 
     def submit(self, job: Hashable, values: Sequence[T]) -> list[asyncio.Future[R]]:
         """Queue one job's items; one future per item, in order."""
@@ -123,7 +125,9 @@ class ModelBatcher(Generic[T, R]):
             await self._wake.wait()
             self._wake.clear()
             while batch := self._take():
+                self._running = batch  # until it is answered, retries included
                 await self._execute(loop, batch)
+                self._running = []
 
     async def _execute(self, loop: asyncio.AbstractEventLoop, batch: list[_Item[T, R]]) -> None:
         self.shared_calls += len({it.job for it in batch}) > 1
