@@ -96,6 +96,9 @@ class SpeakerStream:
             await self._segment(ready, self._next_window - len(ready))
             await self._embed(self._cut_crops(final=False))
             self._trim()
+        except BaseException:
+            self._finished = True  # half-applied work: the stream cannot go on (cancel included)
+            raise
         finally:
             self._busy = False
 
