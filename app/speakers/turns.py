@@ -1,0 +1,115 @@
+"""From clustered crops and the segmentation model's local speakers to overlap-aware turns.
+
+3D-Speaker's ``include_overlap`` post-processing (``Diarization3Dspeaker.post_process`` and
+``binary_to_segs`` in ``speakerlab/bin/infer_diarization.py``), the published recipe for CAM++
+with pyannote segmentation-3.0, on pyannote's frame grid:
+
+1. consecutive crops with one label are joined; where two labels' crops overlap the boundary
+   is their midpoint (``compress``), giving one speaker per instant ("cluster frames");
+2. in every 10 s segmentation window, each local speaker of the model is matched to the global
+   speaker whose cluster frames it overlaps most (Hungarian assignment), and its activity is
+   added to that speaker's (``reconstruct``);
+3. at every frame the ``count`` (the windows' averaged number of active local speakers) most
+   active speakers are kept, so two speakers come out where the model hears two at once;
+   frames left empty fall back to the cluster frames.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import numpy as np
+
+from app.speakers.models import FrameGrid
+
+
+class Turn(NamedTuple):
+    start: float
+    end: float
+    speaker: str
+
+
+def label(k: int) -> str:
+    return f"SPEAKER_{k:02d}"
+
+
+def compress(crops: Sequence[tuple[float, float]], labels: Sequence[int]
+             ) -> list[tuple[float, float, int]]:
+    """3D-Speaker's ``compressed_seg``: crops (in time order) with labels -> labelled spans."""
+    out: list[list[float]] = []
+    for (start, end), k in zip(crops, labels, strict=True):
+        if out and k == out[-1][2]:
+            if start > out[-1][1]:
+                out.append([start, end, k])
+            else:
+                out[-1][1] = end
+            continue
+        if out and start < out[-1][1]:
+            mid = (out[-1][1] + start) / 2
+            out[-1][1] = mid
+            start = mid
+        out.append([start, end, k])
+    return [(s, e, int(k)) for s, e, k in out]
+
+
+def frame_of(t: float, grid: FrameGrid) -> int:
+    """pyannote's ``SlidingWindow.closest_frame(t + duration / 2)`` on the aggregated grid."""
+    return int(np.rint(t / grid.step))
+
+
+def reconstruct(windows: Sequence[np.ndarray], window_frames: Sequence[int], count: np.ndarray,
+                spans: Sequence[tuple[float, float, int]], speakers: int, grid: FrameGrid
+                ) -> np.ndarray:
+    """(frames, speakers) 0/1 activity. ``windows[i]`` is the (frames, local) hard segmentation
+    of the window whose first frame is ``window_frames[i]``; ``count`` is per frame."""
+    from scipy.optimize import linear_sum_assignment
+
+    n = len(count)
+    cluster_frames = np.zeros((n, speakers), dtype=np.uint8)
+    for s, e, k in spans:
+        cluster_frames[frame_of(s, grid): frame_of(e, grid), k] = 1
+    activations = np.zeros((n, speakers), dtype=np.float32)
+    for seg, first in zip(windows, window_frames, strict=True):
+        ccf = cluster_frames[first: first + len(seg)]
+        local = seg[: len(ccf)]
+        overlap = local.T.astype(np.int64) @ ccf.astype(np.int64)  # (local, speakers)
+        overlap[local.sum(0) == 0] = -1  # a silent local speaker matches nobody
+        rows, cols = linear_sum_assignment(-overlap)
+        aligned = np.zeros((len(local), speakers), dtype=np.float32)
+        for r, c in zip(rows, cols, strict=True):
+            if overlap[r, c] > 0:
+                aligned[:, c] = np.maximum(aligned[:, c], local[:, r])
+        activations[first: first + len(local)] += aligned
+    # Keep the count[t] most active speakers with any activity (stable: ties by speaker index).
+    rank = np.argsort(np.argsort(-activations, axis=1, kind="stable"), axis=1, kind="stable")
+    keep = np.minimum(count.astype(np.int64), speakers)[:, None]
+    binary = ((rank < keep) & (activations > 0)).astype(np.uint8)
+    empty = (binary.sum(1) == 0) & (cluster_frames.sum(1) != 0)
+    binary[empty] = cluster_frames[empty]
+    return binary
+
+
+def to_turns(binary: np.ndarray, grid: FrameGrid, duration: float) -> list[Turn]:
+    """Runs of 1 per speaker, from the middle of their first frame to the middle of the frame
+    after (3D-Speaker's ``binary_to_segs``), clipped to the audio, in start order; speakers are
+    renamed SPEAKER_00, SPEAKER_01, ... in order of first speech."""
+    n = len(binary)
+    if n == 0:
+        return []
+    middles = np.arange(n) * grid.step + grid.duration / 2
+    raw: list[tuple[float, float, int]] = []
+    for k in range(binary.shape[1]):
+        edges = np.diff(np.concatenate([[0], binary[:, k].astype(np.int8), [0]]))
+        starts, ends = np.flatnonzero(edges == 1), np.flatnonzero(edges == -1)
+        for a, b in zip(starts.tolist(), ends.tolist(), strict=True):
+            start = float(middles[a])
+            end = float(middles[min(b, n - 1)])
+            start, end = max(0.0, start), min(duration, end)
+            if end > start:
+                raw.append((start, end, k))
+    raw.sort()
+    names: dict[int, str] = {}
+    for _, _, k in raw:
+        names.setdefault(k, label(len(names)))
+    return [Turn(round(s, 3), round(e, 3), names[k]) for s, e, k in raw]
