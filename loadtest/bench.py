@@ -100,7 +100,7 @@ def effective_settings(env: dict[str, str]) -> dict[str, Any]:
             "duration_bucket_s": s.batcher.duration_bucket_s,
             "engines": getattr(s.model, "engines", 0) or 1,
             "num_workers": s.model.num_workers or cpu_count(), "cpu_threads": s.model.cpu_threads,
-            "torch_threads": s.model.torch_threads, "prep_workers": s.prep_workers,
+            "torch_threads": s.model.torch_threads, "prep_workers": s.prep.workers or cpu_count(),
             "default_beam_size": s.default_beam_size, "model": s.model.name}
 
 

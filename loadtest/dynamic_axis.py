@@ -72,7 +72,7 @@ def transcribe_padded(engine: Any, batch: Sequence[ClipWindow], language: str,
     t1 = time.perf_counter()
     enc = engine.model.encode(feats)
     t2 = time.perf_counter()
-    tok = engine._tokenizer(language, "transcribe")
+    tok = engine._prompts.tokenizer(language, "transcribe")
     prompt = engine.model.get_prompt(tok, [], without_timestamps=True)
     results = engine.model.model.generate(
         enc, [prompt] * len(batch), beam_size=1, patience=1, length_penalty=1,
@@ -86,7 +86,7 @@ def transcribe_padded(engine: Any, batch: Sequence[ClipWindow], language: str,
 
 def looks_looped(text: str) -> bool:
     """Whisper's own hallucination test: gzip compression ratio above 2.4 (repetition loops)."""
-    from app.engine.whisper import compression_ratio
+    from app.engine.decoding import compression_ratio
 
     return compression_ratio(text) > FALLBACK_RATIO
 

@@ -160,15 +160,23 @@ def make_batches(windows: Sequence[ClipWindow], batch: int, order: str) -> list[
 def cmd_engine(args: argparse.Namespace) -> dict[str, Any]:
     from app.config import ModelSettings
     from app.engine.whisper import WhisperEngine
-    from app.windows import DecodeOptions
+    from app.windows import DecodeOptions, LanguageChoice, Prompt
 
     clips = read_clips(Path(args.clips))
     corpus_audio = audio_total(clips)
     windows = cut_corpus(clips, Path(args.cache) if args.cache else None)
     window_audio = sum(w.window.duration for w in windows)
-    opts = DecodeOptions(language=args.language or None, beam_size=args.beam_size)
+    opts = DecodeOptions(beam_size=args.beam_size)
     settings = ModelSettings(device="cpu", compute_type=args.compute_type,
-                             num_workers=args.workers, cpu_threads=args.threads)
+                             num_workers=args.workers, cpu_threads=args.threads,
+                             time_axis=args.time_axis)
+
+    def set_prompts() -> None:
+        """The given language, else one detection per clip (a fresh choice every pass)."""
+        choices: dict[str, LanguageChoice] = {}
+        for cw in windows:
+            cw.window.prompt = (Prompt(language=args.language) if args.language else
+                                Prompt(choice=choices.setdefault(cw.clip_id, LanguageChoice())))
     out: dict[str, Any] = {"allocator": allocator(), "engines": args.engines,
                            "workers": args.workers, "threads": args.threads, "order": args.order,
                            "windows": len(windows), "window_audio_s": round(window_audio, 3),
@@ -194,10 +202,12 @@ def cmd_engine(args: argparse.Namespace) -> dict[str, Any]:
         for b in sorted(int(x) for x in args.batches.split(",")):
             batches = make_batches(windows, b, args.order)
             with ThreadPoolExecutor(slots) as pool:
+                set_prompts()
                 list(pool.map(run, batches[:slots]))  # warm-up at this batch size
                 sampler.reset()
                 passes, t0 = 0, now()
                 while True:
+                    set_prompts()
                     texts = [t for ts in pool.map(run, batches) for t in ts]
                     passes += 1
                     if now() - t0 >= args.min_seconds:
@@ -215,6 +225,7 @@ def cmd_engine(args: argparse.Namespace) -> dict[str, Any]:
             out["runs"].append(run_out)
             print(json.dumps({k: v for k, v in run_out.items() if k != "texts"}), flush=True)
         if args.sequential_texts:  # untimed: every window alone, the same-windows reference
+            set_prompts()
             with ThreadPoolExecutor(slots) as pool:
                 texts = [t for ts in pool.map(run, [[w] for w in windows]) for t in ts]
             out["sequential"] = {"batch": 1, "texts": join_texts(windows, texts)}
@@ -246,6 +257,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--batches", default="8,16")
     e.add_argument("--beam-size", type=int, default=1)
     e.add_argument("--order", choices=("sorted", "corpus"), default="sorted")
+    e.add_argument("--time-axis", choices=("dynamic", "full"), default="dynamic")
     e.add_argument("--min-seconds", type=float, default=0.0,
                    help="repeat whole passes over the windows until this long")
     e.add_argument("--cache", default="", help="folder for the cut-windows cache")

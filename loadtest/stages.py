@@ -41,18 +41,20 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from app.config import ModelSettings
     from app.engine.whisper import WhisperEngine
-    from app.windows import SAMPLE_RATE, DecodeOptions, Encoded, Window
+    from app.windows import SAMPLE_RATE, DecodeOptions, Encoded, Prompt, Window
 
     windows = [cw.window for cw in cut_corpus(load_corpus(), args.cache)]
     engine = WhisperEngine(resolve_model(args.model), ModelSettings(
         device="cpu", compute_type="int8", num_workers=1, cpu_threads=1), args.model)
-    opts = DecodeOptions(language="en")
+    opts = DecodeOptions()
+    for w in windows:
+        w.prompt = Prompt(language="en")
     audio = sum(w.duration for w in windows)
     by_len: dict[int, list[Window]] = {}
     for w in windows:
-        by_len.setdefault(engine.padded_samples(w, opts), []).append(w)
+        by_len.setdefault(engine.padded_samples(w), []).append(w)
 
-    tok = engine._tokenizer("en", "transcribe")
+    tok = engine._prompts.tokenizer("en", "transcribe")
     prompt = engine.model.get_prompt(tok, [], without_timestamps=True)
     decoder: dict[str, Any] = {}
     for n, ws in sorted(by_len.items(), key=lambda kv: -len(kv[1]))[:3]:
