@@ -132,9 +132,19 @@ class BatcherSettings(BaseModel):
         "this budget (at least one window always runs).",
     )
     window_memory_mb: float = Field(
-        60.0, gt=0, le=100_000,
-        description="Memory per window in flight; `python -m loadtest.sweep` measures it "
-        "(whisper-base int8 on CPU: ~55 MB).",
+        100.0, gt=0, le=100_000,
+        description="Memory per 30 s window in an engine call (shorter windows cost in "
+        "proportion to their padded length in job_memory_mb). whisper-base int8 on CPU, "
+        "measured: +81 MB encoding one 30 s window, +189 MB two, ~+50 MB each in a decoder "
+        "batch of 8-16; `python -m loadtest.sweep` measures a machine's.",
+    )
+    job_memory_mb: float = Field(
+        400.0, ge=0, le=10_000_000,
+        description="One job's windows inside engine calls at a time cost at most this "
+        "(window_memory_mb per 30 s, at least one window): a 4-hour upload then holds the "
+        "engine memory of ~4 long windows, not of full batches on every worker (a one-call "
+        "batch of eight 30 s windows: +431 MB per worker). Short requests never reach it. "
+        "0: no per-job limit.",
     )
 
 

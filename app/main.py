@@ -112,7 +112,8 @@ def create_app(settings: Settings | None = None,
         monitor = DeviceMonitor(device)
         batcher = Batcher(runner_engine.run, settings.batcher, runner_engine.workers, metrics,
                           size_class=size_class(settings.model, device),
-                          base_memory_mb=held_mb(monitor), stages=stages(settings, runner_engine))
+                          base_memory_mb=held_mb(monitor), stages=stages(settings, runner_engine),
+                          padded=getattr(engine, "padded_samples", None))
         runner_engine.on_remove = batcher.retire_slots
         runner = JobRunner(settings, store, batcher, vad, metrics, blobs=blobs,
                            prep_workers=prep_threads(settings.prep.workers, len(engines)))

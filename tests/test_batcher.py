@@ -41,10 +41,12 @@ async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
     started = Started()
 
     def make(cap: int = 4, wait_ms: int = 20, workers: int = 1, regrow_after: int = 8,
-             fail: Callable[[Sequence[Window]], None] | None = None) -> Rig:
+             fail: Callable[[Sequence[Window]], None] | None = None,
+             job_memory_mb: float = 0) -> Rig:
         fake = FakeEngine(workers=workers, fail=fail)
         metrics = Metrics()
-        settings = BatcherSettings(max_batch_size=cap, max_wait_ms=wait_ms, regrow_after=regrow_after)
+        settings = BatcherSettings(max_batch_size=cap, max_wait_ms=wait_ms, regrow_after=regrow_after,
+                                   job_memory_mb=job_memory_mb)
         b = Batcher(EngineRunner(fake).run, settings, workers, metrics)
         started.add(fake, b)
         return Rig(fake, b, metrics)
@@ -218,7 +220,7 @@ async def test_stop_fails_pending_work_with_shutting_down(rig_factory) -> None:
 async def test_memory_budget_bounds_windows_in_flight(rig_factory: Callable[..., Rig]) -> None:
     """Budget 1000 MB, model holds 700, 50 MB per window: at most 6 windows in flight."""
     fake = FakeEngine(workers=2)
-    settings = BatcherSettings(max_batch_size=8, max_wait_ms=20, memory_budget_mb=1000,
+    settings = BatcherSettings(max_batch_size=8, max_wait_ms=20, memory_budget_mb=1000, job_memory_mb=0,
                                window_memory_mb=50)
     batcher = Batcher(EngineRunner(fake).run, settings, 2, Metrics(), base_memory_mb=700)
     batcher.start()
@@ -275,3 +277,40 @@ async def test_short_requests_alone_keep_full_batches(rig_factory: Callable[...,
     rig.release()
     await gather([blocker, *futs])
     assert sorted(rig.sizes()) == [1, 4, 4]  # fresh jobs: the last worker is not held back
+
+
+async def test_a_long_jobs_engine_memory_is_capped_and_spread_over_the_workers() -> None:
+    """job_memory_mb: a 16-window upload of 30 s windows (100 MB each) with a 400 MB share
+    never has more than 4 windows in engine calls, at most 2 per call with 2 workers (both
+    busy, not one with all 4); another job's short request still goes at once."""
+    fake = FakeEngine(workers=2)
+    in_calls = 0
+    most = 0
+    lock = asyncio.Lock()
+
+    async def run(windows: Sequence[Window], options: DecodeOptions) -> list:
+        nonlocal in_calls, most
+        long = sum(1 for w in windows if w.duration > 20)
+        async with lock:
+            in_calls += long
+            most = max(most, in_calls)
+        try:
+            await asyncio.sleep(0.01)
+            return fake.transcribe_batch(windows, options)
+        finally:
+            async with lock:
+                in_calls -= long
+
+    settings = BatcherSettings(max_batch_size=8, max_wait_ms=5, job_memory_mb=400,
+                               window_memory_mb=100)
+    b = Batcher(run, settings, 2, Metrics())
+    b.start()
+    try:
+        futs = b.submit("long", [tagged_window(i, 29.5) for i in range(16)], EN, job_windows=16)
+        short = b.submit("short", [tagged_window(100, 3.0)], EN)
+        results = await gather([*futs, *short])
+    finally:
+        await b.stop(5)
+    assert [r.text for r in results] == [f"w{i}" for i in range(16)] + ["w100"]
+    assert most == 4
+    assert max(sum(1 for t in tags if t < 100) for _, tags in fake.batches) == 2

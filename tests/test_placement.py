@@ -46,7 +46,7 @@ async def rig() -> AsyncIterator[Callable[..., Rig]]:
 
     def make(*fakes: FakeEngine, cap: int = 4, wait_ms: int = 5) -> Rig:
         pool = EnginePool([EngineRunner(f) for f in fakes])
-        settings = BatcherSettings(max_batch_size=cap, max_wait_ms=wait_ms)
+        settings = BatcherSettings(max_batch_size=cap, max_wait_ms=wait_ms, job_memory_mb=0)
         b = Batcher(pool.run, settings, pool.workers, Metrics())
         r = Rig(list(fakes), pool, b)
         pool.on_remove = lambda n: (r.retired.append(n), b.retire_slots(n))  # type: ignore[func-returns-value]
@@ -229,8 +229,8 @@ async def test_two_real_engines_share_the_batches(clips: list) -> None:
               and c.id != "librispeech-1272-128104-0000"][:8]  # that one's reference is mislabelled
     assert len(chosen) == 8
     pool = EnginePool([EngineRunner(e) for e in engines])
-    batcher = Batcher(pool.run, BatcherSettings(max_batch_size=2, max_wait_ms=20), pool.workers,
-                      Metrics())
+    batcher = Batcher(pool.run, BatcherSettings(max_batch_size=2, max_wait_ms=20, job_memory_mb=0),
+                      pool.workers, Metrics())
     batcher.start()
     try:
         jobs = []

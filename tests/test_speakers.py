@@ -145,10 +145,11 @@ async def test_speaker_named_transcript_of_the_sample(diarizer: Diarizer, engine
     utterances (the corpus's time-aligned STM) carry that speaker. Tolerance: 90% of words; word
     times from cross-attention are good to ~0.5 s (tests/test_words.py), so the word at each of
     the 12 speaker changes may fall on either side."""
-    from app import audio as audio_mod
-    from app.engine import DecodeOptions
     from app.vad import SileroVad
     from app.words import transcript
+
+    from app import audio as audio_mod
+    from app.engine import DecodeOptions
 
     _, samples = sample_audio()
     windows = audio_mod.cut_windows(samples, SileroVad().speech(samples))

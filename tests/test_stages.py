@@ -46,7 +46,7 @@ async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
              wait_ms: int = 10) -> Rig:
         fake = FakeStagedEngine(workers=workers, fail=fail)
         runner = EngineRunner(fake)
-        settings = BatcherSettings(max_batch_size=cap, max_decode_batch_size=decode_cap,
+        settings = BatcherSettings(max_batch_size=cap, max_decode_batch_size=decode_cap, job_memory_mb=0,
                                    max_wait_ms=wait_ms, max_decode_wait_ms=decode_wait_ms)
         metrics = Metrics()
         b = Batcher(runner.run, settings, workers, metrics,

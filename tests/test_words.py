@@ -31,7 +31,7 @@ TOLERANCE_S = 0.5
 async def test_batches_never_mix_word_and_plain_windows() -> None:
     """word_timestamps and temperature are part of the batch key: one prompt/pass per batch."""
     fake = FakeEngine()
-    b = Batcher(EngineRunner(fake).run, BatcherSettings(max_batch_size=8, max_wait_ms=20), 1,
+    b = Batcher(EngineRunner(fake).run, BatcherSettings(max_batch_size=8, max_wait_ms=20, job_memory_mb=0), 1,
                 Metrics())
     b.start()
     try:

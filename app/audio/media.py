@@ -224,7 +224,8 @@ class AudioDecoder:
                                   limit_s=self._max_audio_s)
         if not parts:
             return np.zeros(0, dtype=np.float32)
-        return np.concatenate(parts).astype(np.float32) / 32768.0
+        pcm = np.concatenate(parts) if len(parts) > 1 else parts[0]
+        return np.multiply(pcm, np.float32(1 / 32768), dtype=np.float32)
 
     def close(self) -> None:
         self._container.close()

@@ -30,7 +30,7 @@ from app.config import BatcherSettings
 from app.engine.device import is_oom
 from app.errors import ShuttingDown, TranscriptionFailed
 from app.metrics import Metrics
-from app.windows import WINDOW_S, DecodeOptions, Window, WindowResult
+from app.windows import N_SAMPLES, WINDOW_S, DecodeOptions, Window, WindowResult
 
 log = logging.getLogger(__name__)
 
@@ -41,7 +41,7 @@ class Batcher:
     def __init__(
         self, run_batch: RunBatch, settings: BatcherSettings, workers: int, metrics: Metrics,
         size_class: Callable[[Window], float] | None = None, base_memory_mb: float = 0.0,
-        stages: Stages | None = None,
+        stages: Stages | None = None, padded: Callable[[Window], int] | None = None,
     ) -> None:
         self._run_batch = run_batch
         self._stages = stages
@@ -54,6 +54,9 @@ class Batcher:
         # job: a job with none is "fresh" (see _take).
         self._job_in_flight: dict[str, int] = {}
         self._short_in_flight = 0  # of those, windows of short requests (see Item.job_windows)
+        # The engine memory of each job's windows taken (see BatcherSettings.job_memory_mb).
+        self._padded = padded or (stages.padded if stages else (lambda w: N_SAMPLES))
+        self._job_mb: dict[str, float] = {}
         self._small: set[int] = set()  # id() of running batches of <= cap/4 windows
         self.settings = settings
         self._cap = BatchCap(settings, metrics, base_memory_mb)  # OOM backoff, memory budget
@@ -62,6 +65,7 @@ class Batcher:
         self._pool = DecodePool()  # two stages: encoded windows waiting for a decoder batch
         self._wake = asyncio.Event()
         self._slots = asyncio.Semaphore(workers)
+        self.workers = workers
         self._retiring: set[asyncio.Task[None]] = set()  # see retire_slots
         self._running: set[asyncio.Task[None]] = set()
         self._calls: dict[int, float] = {}  # engine calls running: id(windows) -> start
@@ -189,7 +193,7 @@ class Batcher:
         never idles while there is work.
         """
         wait_s = self.settings.max_wait_ms / 1000
-        best: tuple[float, DecodeOptions] | None = None
+        ready: list[tuple[float, DecodeOptions]] = []
         deadline: float | None = None
         for key in list(self._groups):
             live = [i for i in self._groups[key] if not i.future.done()]  # drop cancelled
@@ -199,19 +203,23 @@ class Batcher:
             self._groups[key] = live
             oldest = live[0].enqueued
             if len(live) >= self.limit() or oldest + wait_s <= now or self._to_encode(live):
-                if best is None or oldest < best[0]:
-                    best = (oldest, key)
+                ready.append((oldest, key))
             elif deadline is None or oldest + wait_s < deadline:
                 deadline = oldest + wait_s
         if self._stages is not None:
-            decode, due = self._pick_decode(now, idle=best is None)
+            decode, due = self._pick_decode(now, idle=not ready)
             if decode is not None:
                 return decode, None
             deadline = min((d for d in (deadline, due) if d is not None), default=None)
-        if best is None:
+        # The oldest ready group whose windows may go now: a job at its memory share
+        # (job_memory_mb) waits for one of its windows to finish, which wakes this loop.
+        items: list[Item] = []
+        for _, key in sorted(ready, key=lambda r: r[0]):
+            items = self._take(self._groups[key])
+            if items:
+                break
+        if not items:
             return None, deadline
-        key = best[1]
-        items = self._take(self._groups[key])
         # An upload of more windows than a batch holds fills decoder batches by itself: its
         # windows run both stages in one call and stay out of the pool. An upload of a few
         # windows (say 50 s: one of 15 s, two of 30 s) does not: its one-call sub-batches of
@@ -308,23 +316,58 @@ class Batcher:
                 ranked = fresh
             elif self._slots.locked() and not self._small:
                 limit = min(limit, small)
-        chosen = [t[3] for t in ranked[:limit]]
+        chosen = self._within_job_memory([t[3] for t in ranked], limit)
         self._in_flight += len(chosen)
         for i in chosen:
             self._job_in_flight[i.job_id] = self._job_in_flight.get(i.job_id, 0) + 1
             self._short_in_flight += i.job_windows <= small
-            i.future.add_done_callback(partial(self._job_out, i.job_id, i.job_windows <= small))
+            mb = self._window_mb(i.window)
+            self._job_mb[i.job_id] = self._job_mb.get(i.job_id, 0.0) + mb
+            i.future.add_done_callback(partial(self._job_out, i.job_id, i.job_windows <= small, mb))
         taken = set(map(id, chosen))
         group[:] = [i for i in group if id(i) not in taken]
         # Each job's windows in time order inside the batch: cosmetic, but keeps logs readable.
         batch = sorted(chosen, key=lambda i: (i.job_id, i.rank))
-        if len(batch) <= small:
+        if batch and len(batch) <= small:
             self._small.add(id(batch))  # the same list object reaches _dispatch
         return batch
 
-    def _job_out(self, job_id: str, short: bool, _: object) -> None:
+    def _window_mb(self, w: Window) -> float:
+        return self.settings.window_memory_mb * self._padded(w) / N_SAMPLES
+
+    def _within_job_memory(self, ranked: list[Item], limit: int) -> list[Item]:
+        """The first ``limit`` windows whose job stays within ``job_memory_mb``, and takes at
+        most its share of it per batch (budget / workers), so a long upload alone keeps every
+        worker busy with small batches rather than one with its whole share. A job with
+        nothing in flight always gets one window."""
+        budget = self.settings.job_memory_mb
+        if not budget:
+            return ranked[:limit]
+        share = budget / self.workers
+        chosen: list[Item] = []
+        held = dict(self._job_mb)
+        batch: dict[str, float] = {}
+        for i in ranked:
+            if len(chosen) >= limit:
+                break
+            mb = self._window_mb(i.window)
+            in_batch = batch.get(i.job_id, 0.0)
+            if i.job_id in held and (held[i.job_id] + mb > budget or in_batch + mb > share):
+                continue
+            held[i.job_id] = held.get(i.job_id, 0.0) + mb
+            batch[i.job_id] = in_batch + mb
+            chosen.append(i)
+        return chosen
+
+    def _job_out(self, job_id: str, short: bool, mb: float, _: object) -> None:
         """A taken window's result is out (or it failed, or was cancelled while encoded)."""
         self._short_in_flight -= short
+        left_mb = self._job_mb.get(job_id, 0.0) - mb
+        if left_mb > 1e-6:
+            self._job_mb[job_id] = left_mb
+        else:
+            self._job_mb.pop(job_id, None)
+        self._wake.set()  # a job held at its memory share may send its next window
         left = self._job_in_flight.get(job_id, 1) - 1
         if left:
             self._job_in_flight[job_id] = left
