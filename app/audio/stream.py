@@ -13,6 +13,7 @@ the windows are those of one pass over the whole upload (``tests/test_prep.py``)
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -35,6 +36,10 @@ class AudioStream:
         self._buf_start = 0  # sample index of self._buf[0]
         self.windows = 0  # cut so far
         self.done = False
+        # A cancelled job closes its stream while a prep thread may still be inside
+        # next_chunk (a thread cannot be interrupted): close waits for it, never frees the
+        # container under it.
+        self._lock = threading.Lock()
 
     @property
     def samples(self) -> int:
@@ -47,6 +52,10 @@ class AudioStream:
 
     def next_chunk(self) -> list[Window]:
         """Decode the next chunk; the windows it completed (the rest once the audio ends)."""
+        with self._lock:
+            return self._next_chunk()
+
+    def _next_chunk(self) -> list[Window]:
         if self.done:
             return []
         audio = self._decoder.read(self._chunk)
@@ -79,10 +88,11 @@ class AudioStream:
             self._buf_start += drop
 
     def close(self) -> None:
-        if not self.done:
-            self._decoder.close()
-            self.done = True
-        self._buf = np.zeros(0, dtype=np.float32)
+        with self._lock:
+            if not self.done:
+                self._decoder.close()
+                self.done = True
+            self._buf = np.zeros(0, dtype=np.float32)
 
 
 def prepare(path: Path, vad: Vad, max_audio_s: float) -> tuple[float, list[Window]]:
