@@ -3,7 +3,9 @@
 Everything here is per window, so a window's transcript does not depend on what shares its batch:
 
 * **Prompts.** CTranslate2's Whisper ``generate`` takes one prompt per batch item, so each window
-  carries its own language token, initial prompt and hotwords (faster-whisper's ``get_prompt``).
+  carries its own language token, initial prompt and hotwords (faster-whisper's ``get_prompt``);
+  it needs <|startoftranscript|> at one position in a call, so prompts whose context before it
+  differs in length run as separate calls (the engine groups them).
 * **The decode budget.** A decoder that loops ("uh, uh, uh, ...") repeats until ``max_length``,
   one batch step at a time, with its whole batch waiting; the budget bounds that cost by the
   window's audio: ``max_tokens_per_s`` tokens per second + 16 (speech runs at 3-7 Whisper tokens
@@ -60,6 +62,7 @@ class Prompts:
         self._tokenizer_cls = Tokenizer
         self._tokenizers: dict[tuple[str, Task], Any] = {}
         self._prompts: dict[tuple[str, Task, str | None, str | None], list[int]] = {}
+        self.sot = self.tokenizer("en", "transcribe").sot  # <|startoftranscript|>: any language
 
     def tokenizer(self, language: str, task: Task) -> Any:
         tok = self._tokenizers.get((language, task))

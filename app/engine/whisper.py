@@ -222,8 +222,7 @@ class WhisperEngine:
         prompts = [self._prompts.tokens(w.prompt, lang, task)
                    for w, (lang, _) in zip(windows, languages, strict=True)]
         budgets = [budget(w.duration, self._tokens_per_s, self._limit) for w in windows]
-        results = self._generate(encoder_output, prompts, options,
-                                 max_length(budgets, prompts, self._limit))
+        results = self._generate(encoder_output, prompts, options, budgets)
         out = [to_result(res, lang, prob, self._prompts.tokenizer(lang, task), options, b)
                for (lang, prob), res, b in zip(languages, results, budgets, strict=True)]
         # A window that used its budget without looping holds dense speech (a script whose
@@ -233,7 +232,7 @@ class WhisperEngine:
                 and not degenerate(r)]
         if full:
             again = self._generate(batch_rows(encoder_output, full), [prompts[k] for k in full],
-                                   options, self._limit)
+                                   options, [self._limit // 2] * len(full))
             for k, res in zip(full, again, strict=True):
                 lang, prob = languages[k]
                 out[k] = to_result(res, lang, prob, self._prompts.tokenizer(lang, task), options,
@@ -248,12 +247,30 @@ class WhisperEngine:
         return out
 
     def _generate(self, encoder_output: Any, prompts: list[list[int]], options: DecodeOptions,
-                  length: int) -> Any:
-        return self.model.model.generate(
-            encoder_output, prompts, length_penalty=1, max_length=length,
-            suppress_blank=True, suppress_tokens=[-1], return_scores=True,
-            return_no_speech_prob=True, **search_args(options),
-        )
+                  budgets: list[int]) -> list[Any]:
+        """One ``generate`` per position of <|startoftranscript|> in the prompts.
+
+        CTranslate2 takes one prompt per batch item but requires the start token at the same
+        position in all of them ("To work around this limitation, simply adapt the number of
+        previous text tokens in each batch"). Languages and task sit after it, so windows of
+        any languages always share a call; windows whose initial prompt and hotwords differ
+        in token count go in separate calls of the same engine call."""
+        sot = self._prompts.sot
+        groups: dict[int, list[int]] = {}
+        for k, p in enumerate(prompts):
+            groups.setdefault(p.index(sot), []).append(k)
+        out: list[Any] = [None] * len(prompts)
+        for idx in groups.values():
+            part = [prompts[k] for k in idx]
+            length = max_length([budgets[k] for k in idx], part, self._limit)
+            results = self.model.model.generate(
+                batch_rows(encoder_output, idx), part, length_penalty=1, max_length=length,
+                suppress_blank=True, suppress_tokens=[-1], return_scores=True,
+                return_no_speech_prob=True, **search_args(options),
+            )
+            for k, r in zip(idx, results, strict=True):
+                out[k] = r
+        return out
 
     def close(self) -> None:
         del self.model
