@@ -104,7 +104,7 @@ def create_app(settings: Settings | None = None,
     @asynccontextmanager
     async def running(app: FastAPI) -> AsyncIterator[None]:
         metrics = Metrics()
-        monitor = DeviceMonitor(resolve_device(settings.model.device))
+        monitor = await asyncio.to_thread(DeviceMonitor, resolve_device(settings.model.device))
         try:
             engines, sizings = await start_engines(settings, engine_factory, monitor)
         except REFUSALS as exc:
@@ -127,8 +127,8 @@ def create_app(settings: Settings | None = None,
         spool.mkdir(parents=True, exist_ok=True)
         await store.init()
         runner_engine = make_pool(engines, settings)  # one engine per GPU, least loaded first
-        if device != monitor.device:
-            monitor = DeviceMonitor(device)
+        if device != monitor.device:  # an injected engine on another device (tests)
+            monitor = await asyncio.to_thread(DeviceMonitor, device)
         # GPU: the cap the warm-up measured per engine (the smallest); CPU: as configured.
         batcher_settings = resolve_batcher(settings.batcher, sizings)
         batcher = Batcher(runner_engine.run, batcher_settings, runner_engine.workers, metrics,

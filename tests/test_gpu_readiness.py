@@ -32,6 +32,7 @@ from app.engine.device import (
     is_oom,
     is_sticky,
     resolve_compute_type,
+    torch_device,
 )
 from app.engine.loading import (
     DeviceUnavailable,
@@ -248,6 +249,9 @@ def test_gpu_engines_default_to_the_full_axis_and_two_workers(gpu_patch: Any) ->
     assert (m.time_axis, m.num_workers, m.compute_type) == ("full", 2, "float16")
     assert engine_settings(ModelSettings(device="cuda", time_axis="dynamic")).time_axis == "dynamic"
     assert engine_settings(ModelSettings(device="cpu")).time_axis == "dynamic"
+    import torch  # a fake GPU: torch sees none, so torch work (the batched mel) stays on CPU
+
+    assert torch_device("cuda", 0) == ("cuda:0" if torch.cuda.is_available() else "cpu")
 
 
 @pytest.mark.model

@@ -8,6 +8,7 @@ driver, and tests can inject faults (NVML missing, NVML errors, several GPUs) by
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -42,14 +43,16 @@ def cuda_device_count() -> int:
 
 
 def cuda_unavailable_reason() -> str:
-    """Why CTranslate2 sees no GPU, in the library's own words where it has some."""
+    """Why CTranslate2 sees no GPU, in the library's own words where it has some: on this
+    (driverless) machine "CUDA failed with error CUDA driver version is insufficient for CUDA
+    runtime version"; on a host whose GPUs are hidden, "... no CUDA-capable device is detected"."""
     visible = os.environ.get("CUDA_VISIBLE_DEVICES")
     try:
         import ctranslate2
 
         ctranslate2.get_supported_compute_types("cuda", 0)
-    except Exception as exc:  # e.g. "CUDA failed with error CUDA driver version is insufficient
-        return str(exc)  # for CUDA runtime version" (no driver), "... no CUDA-capable device"
+    except Exception as exc:
+        return str(exc)
     if visible is not None:
         return f"no GPU visible (CUDA_VISIBLE_DEVICES={visible!r})"
     return "no GPU visible"
@@ -257,6 +260,8 @@ class DeviceMonitor:
             return True
         except Exception as exc:  # NVML missing or broken: fall back, say why once
             log.warning("NVML unavailable (%s); using torch.cuda.mem_get_info", exc)
+            with contextlib.suppress(Exception):  # imported here, not on the first scrape:
+                import torch  # noqa: F401  (seconds of import on the event loop otherwise)
             return False
 
     def read(self) -> list[MemoryReading]:
