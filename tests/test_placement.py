@@ -314,20 +314,19 @@ async def test_the_last_engine_failing_in_a_row_turns_unhealthy() -> None:
 
 
 async def test_one_window_out_of_memory_beside_others_waits_and_runs() -> None:
+    import threading
+
     engine = FakeEngine(workers=2)
     busy = {"n": 0}
-
-    def tight(windows: Sequence[Window]) -> None:
-        if busy["n"] > 1:  # room for one batch at a time on this "GPU"
-            raise RuntimeError("CUDA failed with error out of memory")
-
+    oomed = threading.Event()
     orig = engine.transcribe_batch
 
     def metered(windows: Sequence[Window], options: DecodeOptions) -> list:
         busy["n"] += 1
         try:
-            if tag_of(windows[0]) != 1:
-                tight(windows)
+            if tag_of(windows[0]) != 1 and busy["n"] > 1:  # room for one batch at a time
+                oomed.set()
+                raise RuntimeError("cuBLAS failed with status CUBLAS_STATUS_ALLOC_FAILED")
             return orig(windows, options)
         finally:
             busy["n"] -= 1
@@ -337,8 +336,10 @@ async def test_one_window_out_of_memory_beside_others_waits_and_runs() -> None:
     engine.gate.clear()
     blocker = asyncio.ensure_future(pool.run([tagged_window(1)], EN))  # holds the device
     assert await asyncio.to_thread(engine.entered.acquire, True, BOUND)
-    engine.gate.set()  # the blocker still counts as busy until it returns
-    single = await asyncio.wait_for(pool.run([tagged_window(2)], EN), BOUND)
-    assert single[0].text == "w2" and (await blocker)[0].text == "w1"
+    single = asyncio.ensure_future(pool.run([tagged_window(2)], EN))
+    assert await asyncio.to_thread(oomed.wait, BOUND)  # it ran out of memory beside the blocker
+    engine.gate.set()  # the blocker ends; the window runs again
+    assert (await asyncio.wait_for(single, BOUND))[0].text == "w2"
+    assert (await blocker)[0].text == "w1"
     assert pool.slots[0].in_rotation and pool.unhealthy() is None
     pool.close()

@@ -68,6 +68,7 @@ class Slot:
     removals: int = 0  # times it left the rotation (the retry delay doubles with each)
     retry_at: float | None = None  # monotonic time it is tried again, while out of rotation
     freed: asyncio.Event | None = None  # set when one of its calls ends (see _placed)
+    ended: int = 0  # calls ended here, however they ended
 
     @property
     def workers(self) -> int:
@@ -177,18 +178,22 @@ class EnginePool:
                     raise first
                 raise NoEngineLeft("no engine left in rotation")
             tried.append(slot)
+            ended = slot.ended
             try:
                 results = await self._run_on(slot, n_windows, call)
             except Exception as exc:
-                if is_oom(exc) and n_windows == 1 and slot.batches and waits < slot.workers:
+                others_ended = slot.ended - ended - 1  # calls beside it that ended meanwhile
+                if is_oom(exc) and n_windows == 1 and (slot.batches or others_ended) \
+                        and waits < slot.workers:
                     # One window that did not fit beside the engine's other batches: a smaller
-                    # batch cannot exist, so wait for one of them to end and run it again,
-                    # rather than fail its job (an OOM storm on a shared GPU).
+                    # batch cannot exist, so run it again once one of them has ended, rather
+                    # than fail its job (an OOM storm on a shared GPU).
                     waits += 1
                     log.warning("one window ran out of memory on %s beside %d batch(es); "
                                 "retrying when one ends (%s)", slot.name, slot.batches, exc)
-                    slot.freed = slot.freed or asyncio.Event()
-                    await slot.freed.wait()
+                    if not others_ended:
+                        slot.freed = slot.freed or asyncio.Event()
+                        await slot.freed.wait()
                     tried.pop()
                     continue
                 if is_oom(exc):
@@ -218,6 +223,7 @@ class EnginePool:
         finally:
             slot.batches -= 1
             slot.windows -= n_windows
+            slot.ended += 1
             if slot.freed is not None:  # wake windows waiting for room on this engine
                 slot.freed.set()
                 slot.freed = None
