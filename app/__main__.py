@@ -11,11 +11,16 @@ from types import FrameType
 # pool (mel, pyannote VAD) and CTranslate2's do not starve each other on a few cores.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-import uvicorn
-from fastapi import FastAPI
+from app.engine.device import use_pci_bus_order  # light: os and logging only
 
-from app.config import Settings
-from app.main import create_app, setup_logging
+use_pci_bus_order()  # before CUDA initialises: CUDA ordinal k is NVML's GPU k
+
+import uvicorn  # noqa: E402
+from fastapi import FastAPI  # noqa: E402
+
+from app.config import Settings  # noqa: E402
+from app.engine.loading import REFUSALS, preflight  # noqa: E402
+from app.main import create_app, setup_logging  # noqa: E402
 
 
 class GracefulServer(uvicorn.Server):
@@ -43,6 +48,11 @@ def main() -> int:
         print("warning: tcmalloc is not preloaded; CPU batching runs ~2x slower with glibc "
               "malloc (see README)", file=sys.stderr)
     settings = Settings()
+    try:  # a GPU asked for but absent, a missing model...: one line, no traceback, exit 2
+        preflight(settings)
+    except REFUSALS as exc:
+        print(f"batchscribe: cannot start: {exc}", file=sys.stderr)
+        return 2
     setup_logging(os.environ.get("BATCHSCRIBE_LOG_LEVEL", "INFO"))
     app = create_app(settings)
     config = uvicorn.Config(

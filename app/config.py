@@ -29,12 +29,19 @@ class ModelSettings(BaseModel):
     )
     cache_dir: Path = Field(DEFAULT_HOME / "models", description="Where provisioned models live.")
     device: Literal["auto", "cpu", "cuda"] = Field("auto", description="auto: cuda if present.")
-    compute_type: str = Field("auto", description="auto: float16 on GPU, int8 on CPU.")
+    compute_type: str = Field(
+        "auto", max_length=32,
+        description="auto: the best the device supports by ctranslate2.get_supported_compute_types "
+        "(GPU: float16, else bfloat16, else an int8 mix; CPU: int8). An explicit type the device "
+        "cannot run refuses to start, naming those it can.",
+    )
     cpu_threads: int = Field(1, ge=1, le=256, description="CTranslate2 threads per worker.")
     num_workers: int = Field(
         0, ge=0, le=16,
-        description="Batches run concurrently (CTranslate2 workers). 0: 1 on GPU, one per core "
-        "on CPU (two 1-thread workers beat one 2-thread worker on 2 cores).",
+        description="Batches run concurrently per engine (CTranslate2 workers). 0: 2 per GPU "
+        "(CTranslate2 shares the weights between a device's workers, so one batch's host work "
+        "- mel, tokenizer, results - overlaps the other's device work), one per core on CPU "
+        "(two 1-thread workers beat one 2-thread worker on 2 cores).",
     )
     vad: Literal["auto", "silero", "pyannote"] = Field(
         "auto", description="auto: Silero (ONNX on the prep threads' CPU, ~760x realtime per "
@@ -53,8 +60,8 @@ class ModelSettings(BaseModel):
         "length + pad_margin_s (5 s classes). On CPU the encoder costs the same per padded second "
         "whatever the speech, so short clips run ~2x faster; measured on the corpus, read-speech "
         "WER unchanged at an 8 s margin (loops below ~2 s). Windows that decode suspiciously "
-        "(compression > 2.4 or avg logprob < -1) are redone at 30 s. auto: dynamic on CPU, full "
-        "on CUDA (where the dynamic axis has not been measured).",
+        "(compression > 2.4 or avg logprob < -1) are redone at 30 s. auto: dynamic on CPU, "
+        "full on CUDA (one engine call per batch; the dynamic axis is not measured on a GPU).",
     )
     pad_margin_s: float = Field(
         8.0, ge=4.0, le=30.0, description="Silence kept after the longest window (dynamic axis)."
@@ -76,6 +83,24 @@ class ModelSettings(BaseModel):
         description="CUDA ordinal of the GPU an engine runs on; the engine pool sets it to k for "
         "engine k, so it only needs setting by hand for a single engine on another GPU.",
     )
+    warmup: bool = Field(
+        True,
+        description="Run batches on the device before /readyz turns green: language detection, "
+        "beam search and word alignment, then (GPU) the largest batch on every worker at once, "
+        "so a driver, cuBLAS, compute-type or memory failure stops the start with the library's "
+        "own message instead of failing the first requests. GPU batch sizing is measured here.",
+    )
+    engine_strikes: int = Field(
+        3, ge=1, le=100,
+        description="Several engines: an engine leaves the rotation after this many batches in a "
+        "row failed on it (not out of memory) and then ran on another engine; a sticky CUDA "
+        "error (illegal address...) takes it out at once.",
+    )
+    engine_retry_s: float = Field(
+        60.0, ge=1, le=86_400,
+        description="An engine out of rotation is tried again after this long (doubling on each "
+        "relapse, up to 16x); one more failure there takes it out again.",
+    )
 
 
 class BatcherSettings(BaseModel):
@@ -83,9 +108,16 @@ class BatcherSettings(BaseModel):
 
     max_batch_size: int = Field(
         8, ge=1, le=256,
-        description="Windows per batch (the cap). 8 measured best on 2 CPU cores (the decoder "
-        "gains little beyond it, and a smaller cap keeps a queue to group similar lengths from); "
-        "GPUs want more: run `python -m loadtest.sweep` on the target machine.",
+        description="Windows per batch (the cap). CPU: 8 measured best on 2 cores (the decoder "
+        "gains little beyond it, and a smaller cap keeps a queue to group similar lengths from). "
+        "GPU, unless set: derived at start from the device's free memory and what the warm-up "
+        "batch took (app/engine/sizing.py); when set, an upper bound on that.",
+    )
+    max_batch_beams: int = Field(
+        0, ge=0, le=4096,
+        description="Windows x beam size per batch (beam search keeps beam_size decoder states, "
+        "each with its own attention caches, per window). 0: not counted (CPU, where memory is "
+        "not the limit); on GPU derived with the cap.",
     )
     max_wait_ms: int = Field(
         50, ge=0, le=60_000, description="Oldest window waits at most this long for a fuller batch. "
@@ -127,16 +159,20 @@ class BatcherSettings(BaseModel):
     )
     memory_budget_mb: int = Field(
         0, ge=0, le=10_000_000,
-        description="0: off. Else the windows in flight are limited so that the memory held after "
-        "the model loaded (RSS on CPU, VRAM on GPU) plus window_memory_mb per window stays within "
-        "this budget (at least one window always runs).",
+        description="CPU: 0 is off; else the windows in flight are limited so that the RSS held "
+        "after the model loaded plus window_memory_mb per window stays within this budget (at "
+        "least one window always runs). GPU: sizing is always on, per engine; when set, the "
+        "device memory one engine's batches may use at most (else what is free after the "
+        "warm-up, less memory_headroom).",
     )
     window_memory_mb: float = Field(
         100.0, gt=0, le=100_000,
         description="Memory per 30 s window in an engine call (shorter windows cost in "
-        "proportion to their padded length in job_memory_mb). whisper-base int8 on CPU, "
-        "measured: +81 MB encoding one 30 s window, +189 MB two, ~+50 MB each in a decoder "
-        "batch of 8-16; `python -m loadtest.sweep` measures a machine's.",
+        "proportion to their padded length in job_memory_mb). CPU, whisper-base int8, measured: "
+        "+81 MB encoding one 30 s window, +189 MB two, ~+50 MB each in a decoder batch of 8-16 "
+        "(`python -m loadtest.sweep` measures a machine's). GPU, unless set: measured by the "
+        "warm-up per 30 s window and beam (large-v3's cross-attention cache alone is ~246 MB "
+        "per window and beam).",
     )
     job_memory_mb: float = Field(
         400.0, ge=0, le=10_000_000,
@@ -145,6 +181,18 @@ class BatcherSettings(BaseModel):
         "engine memory of ~4 long windows, not of full batches on every worker (a one-call "
         "batch of eight 30 s windows: +431 MB per worker). Short requests never reach it. "
         "0: no per-job limit.",
+    )
+    memory_headroom: float = Field(
+        0.1, ge=0.0, le=0.9,
+        description="GPU: the fraction of the device's memory sizing leaves unused (allocator "
+        "fragmentation, cuBLAS workspaces, torch's mel, other processes growing).",
+    )
+    unhealthy_after: int = Field(
+        12, ge=2, le=10_000,
+        description="/healthz answers 503 after this many engine calls in a row failed with no "
+        "engine succeeding (not out of memory): a GPU in a sticky error state fails everything, "
+        "so the liveness probe restarts the pod. A poison window fails at most log2(cap)+1 calls "
+        "in a row while it is isolated (9 at cap 256), so it never trips this.",
     )
 
 

@@ -27,8 +27,12 @@ from app.batching.stages import Stages
 from app.config import Settings
 from app.engine import Engine, StagedEngine
 from app.engine.device import DeviceMonitor, resolve_device
+from app.engine.gpumem import pool_meter
+from app.engine.loading import REFUSALS, load_whisper
 from app.engine.placement import EnginePool, load_engines, make_pool
-from app.engine.whisper import WhisperEngine, size_class
+from app.engine.sizing import EngineSizing, resolve_batcher
+from app.engine.warmup import warm_up_all
+from app.engine.whisper import size_class
 from app.errors import install_error_handlers
 from app.jobs.blobs import make_blobs
 from app.jobs.prep import prep_threads
@@ -38,19 +42,26 @@ from app.jobs.webhooks import WebhookDispatcher
 from app.metrics import Metrics
 from app.security import install_security
 from app.state import AppState
-from models.registry import ModelUnavailable, broken_model_message, resolve
 
 log = logging.getLogger("batchscribe")
 EngineFactory = Callable[[Settings], Engine]
+__all__ = ["create_app", "load_whisper", "setup_logging"]
 
 
-def load_whisper(settings: Settings) -> Engine:
-    m = settings.model
-    path = resolve(m.name, m.cache_dir, m.local_files_only)
+async def start_engines(settings: Settings, factory: EngineFactory,
+                        monitor: DeviceMonitor) -> tuple[list[Engine], list[EngineSizing]]:
+    """Load every engine, then warm each up on its device and size its batches (both blocking,
+    on a worker thread). Raises one of :data:`REFUSALS` when the service cannot run."""
+    engines = await asyncio.to_thread(load_engines, settings, factory)
+    if not settings.model.warmup:
+        return engines, []
     try:
-        return WhisperEngine(path, m, m.name)
-    except (RuntimeError, ValueError) as exc:  # CTranslate2 rejects truncated/corrupt weights
-        raise ModelUnavailable(broken_model_message(path, exc)) from exc
+        sizings = await asyncio.to_thread(warm_up_all, engines, settings, monitor, pool_meter())
+    except BaseException:
+        for e in engines:
+            e.close()
+        raise
+    return engines, sizings
 
 
 def held_mb(monitor: DeviceMonitor) -> float:
@@ -88,9 +99,11 @@ def create_app(settings: Settings | None = None,
     @asynccontextmanager
     async def running(app: FastAPI) -> AsyncIterator[None]:
         metrics = Metrics()
+        monitor = await asyncio.to_thread(DeviceMonitor, resolve_device(settings.model.device))
         try:
-            engines = await asyncio.to_thread(load_engines, settings, engine_factory)
-        except ModelUnavailable as exc:
+            engines, sizings = await start_engines(settings, engine_factory, monitor)
+        except REFUSALS as exc:
+            QuietRefusal.refused = True  # uvicorn's copy of the traceback is dropped
             log.critical("cannot start: %s", exc)
             raise
         engine = engines[0]  # model, device and compute type are the same on every engine
@@ -108,18 +121,30 @@ def create_app(settings: Settings | None = None,
         spool = blobs.spool_dir
         spool.mkdir(parents=True, exist_ok=True)
         await store.init()
-        runner_engine = make_pool(engines)  # one engine per GPU, least loaded first
-        monitor = DeviceMonitor(device)
-        batcher = Batcher(runner_engine.run, settings.batcher, runner_engine.workers, metrics,
+        runner_engine = make_pool(engines, settings)  # one engine per GPU, least loaded first
+        if device != monitor.device:  # an injected engine on another device (tests)
+            monitor = await asyncio.to_thread(DeviceMonitor, device)
+        # GPU: the cap the warm-up measured per engine (the smallest); CPU: as configured.
+        batcher_settings = resolve_batcher(settings.batcher, sizings)
+        batcher = Batcher(runner_engine.run, batcher_settings, runner_engine.workers, metrics,
                           size_class=size_class(settings.model, device),
-                          base_memory_mb=held_mb(monitor), stages=stages(settings, runner_engine),
+                          base_memory_mb=held_mb(monitor) if device == "cpu" else 0.0,
+                          stages=stages(settings, runner_engine),
                           padded=getattr(engine, "padded_samples", None))
-        runner_engine.on_remove = batcher.retire_slots
+        restore = getattr(batcher, "restore_slots", None)
+        if restore is not None:  # retire an engine's slots only if they can come back
+            runner_engine.on_remove, runner_engine.on_restore = batcher.retire_slots, restore
         runner = JobRunner(settings, store, batcher, vad, metrics, blobs=blobs,
                            prep_workers=prep_threads(settings.prep.workers, len(engines)))
         st = AppState(settings=settings, metrics=metrics, store=store, spool_dir=spool,
                       languages=transcribe.whisper_languages(), runner=runner, batcher=batcher,
                       engine=runner_engine, monitor=monitor)
+        sizing = {"engines": [z.as_dict() for z in sizings],
+                  "max_batch_size": batcher_settings.max_batch_size,
+                  "max_batch_beams": batcher_settings.max_batch_beams}
+        st.extras["sizing"] = sizing
+        if sizings:
+            log.info("batch sizing", extra=sizing)
         app.state.bs = st
         # Webhooks only with a signing secret; pending deliveries of earlier runs resume here.
         webhooks = WebhookDispatcher(settings.webhooks, store) if settings.webhooks.enabled else None
@@ -230,7 +255,19 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, default=str)
 
 
+class QuietRefusal(logging.Filter):
+    """Drops uvicorn's copy of a start-up refusal's traceback: the lifespan has already logged
+    the one line that says why (``cannot start: ...``), and a refusal is not a crash."""
+
+    refused = False  # set by the lifespan when it refuses to start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (QuietRefusal.refused and record.name.startswith("uvicorn")
+                    and record.getMessage().startswith("Traceback"))
+
+
 def setup_logging(level: str = "INFO") -> None:
     handler = logging.StreamHandler()
     handler.setFormatter(JsonFormatter())
+    handler.addFilter(QuietRefusal())
     logging.basicConfig(level=level, handlers=[handler], force=True)

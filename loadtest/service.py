@@ -106,6 +106,7 @@ class Result:
     status: int
     text: str | None = None
     error: str | None = None
+    words: int | None = None  # word timestamps in the result (when asked for)
 
     @property
     def latency(self) -> float:
@@ -122,9 +123,10 @@ class Client:
     server it measures would otherwise lose. Create it inside the running event loop."""
 
     def __init__(self, url: str, clips: Sequence[Clip], language: str | None,
-                 timeout: float = 900.0) -> None:
+                 timeout: float = 900.0, fields: dict[str, str] | None = None) -> None:
         self.url = url
         self.language = language
+        self.fields = fields or {}  # more form fields per request, e.g. word_timestamps
         self.blobs = {c.id: Path(c.path).read_bytes() for c in clips}
         self.http = aiohttp.ClientSession(
             url, connector=aiohttp.TCPConnector(limit=256),
@@ -138,6 +140,8 @@ class Client:
         form.add_field("file", blob, filename=name)
         if self.language:
             form.add_field("language", self.language)
+        for k, v in self.fields.items():
+            form.add_field(k, v)
         return form
 
     async def transcribe(self, clip: Clip) -> Result:
@@ -156,7 +160,9 @@ class Client:
         job = json.loads(body)
         if job.get("status") != "done":
             return Result(clip, sent, done, status, error=str(job.get("error")))
-        return Result(clip, sent, done, 200, text=job["result"]["text"])
+        words = job["result"].get("words")
+        return Result(clip, sent, done, 200, text=job["result"]["text"],
+                      words=None if words is None else len(words))
 
     async def submit(self, name: str, blob: bytes) -> str:
         """An asynchronous job (202); its id."""

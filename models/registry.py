@@ -1,10 +1,21 @@
-"""Known models, where they live, and how to tell a usable model folder from a broken one."""
+"""Known models, where they live, and how to tell a usable model folder from a broken one.
+
+A provisioned model is a folder ``<cache_dir>/<name>/`` holding a CTranslate2 Whisper model, a
+``manifest.json`` (where it came from, every file's size and sha256, the facts its header
+gives) and a ``.verified`` marker written last. ``whisper-base`` comes from PyPI; any other
+name is provisioned from a local CTranslate2 Whisper folder (large-v3, turbo, distil...):
+``python -m models.provision NAME --from FOLDER``.
+"""
 
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
+
+from models.ct2file import ModelFacts, ModelFileError, read_facts
 
 
 class ModelUnavailable(RuntimeError):
@@ -63,15 +74,23 @@ KNOWN: dict[str, KnownModel] = {
                      "--python-version", "3.11", "--implementation", "cp", "--abi", "cp311"),
     ),
 }
-REQUIRED_FILES = ("model.bin", "config.json")
+# tokenizer.json is required: without it faster-whisper silently fetches openai/whisper-tiny's
+# tokenizer from the Hugging Face hub (WhisperModel.__init__), which fails offline, or worse,
+# succeeds with a tokenizer that is not the model's.
+REQUIRED_FILES = ("model.bin", "config.json", "tokenizer.json")
+OPTIONAL_FILES = ("vocabulary.json", "preprocessor_config.json")
 VERIFIED_MARKER = ".verified"
+MANIFEST = "manifest.json"
+NAME_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 def provision_hint(name: str) -> str:
-    return f"run: python -m models.provision {name}"
+    if name in KNOWN:
+        return f"run: python -m models.provision {name}"
+    return f"run: python -m models.provision {name} --from /path/to/ctranslate2-whisper-folder"
 
 
-def provisioned(name: str, cache_dir: Path) -> Path:
+def provisioned_folder(name: str, cache_dir: Path) -> Path:
     """The verified folder of a known model, or a refusal that names the command to run."""
     folder = cache_dir / name
     if not (folder / VERIFIED_MARKER).is_file():
@@ -84,34 +103,81 @@ def provisioned(name: str, cache_dir: Path) -> Path:
     return folder
 
 
-def check_folder(path: Path) -> None:
-    """Cheap structural check of a CTranslate2 Whisper folder (the load itself is the deep one)."""
+def check_folder(path: Path) -> ModelFacts:
+    """Structural check of a CTranslate2 Whisper folder, and the facts of its model.bin header
+    (the load itself is the deep check). Raises :class:`ModelUnavailable` saying what is wrong."""
     missing = [f for f in REQUIRED_FILES if not (path / f).is_file()]
+    if missing == ["tokenizer.json"]:
+        raise ModelUnavailable(
+            f"{path} has no tokenizer.json: faster-whisper would fetch another model's tokenizer "
+            "from the Hugging Face hub instead. Copy the model's tokenizer.json there (it is in "
+            "the original model's repository, next to its weights)")
     if missing:
-        raise ModelUnavailable(f"{path} is not a CTranslate2 model folder: missing {missing}")
-    if not ((path / "tokenizer.json").is_file() or (path / "vocabulary.json").is_file()):
-        raise ModelUnavailable(f"{path} has no tokenizer.json or vocabulary.json")
+        raise ModelUnavailable(f"{path} is not a CTranslate2 Whisper model folder: missing {missing}")
+    _json(path / "config.json")
     try:
-        json.loads((path / "config.json").read_text())
-    except ValueError as exc:
-        raise ModelUnavailable(f"{path}/config.json is not valid JSON: {exc}") from exc
+        facts = read_facts(path)
+    except ModelFileError as exc:
+        raise ModelUnavailable(f"{path}: {exc}; the file is truncated or corrupt. Re-provision "
+                               "it, e.g. " + provision_hint(path.name)) from exc
+    pre = path / "preprocessor_config.json"
+    if pre.is_file():
+        said = int(_json(pre).get("feature_size", 80))
+        if said != facts.n_mels:
+            raise ModelUnavailable(
+                f"{pre} says {said} mel bins but the model takes {facts.n_mels} (its encoder's "
+                "first convolution): every batch would fail. Remove or fix that file")
+    return facts
+
+
+def _json(path: Path) -> dict[str, Any]:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelUnavailable(f"{path} is not valid JSON: {exc}") from exc
+    if not isinstance(data, dict):
+        raise ModelUnavailable(f"{path} is not a JSON object")
+    return data
+
+
+def check_provisioned(folder: Path) -> ModelFacts:
+    """A provisioned folder: structurally sound, and every file the size its manifest says (a
+    cheap test that catches truncation; ``python -m models.provision --verify`` re-hashes)."""
+    facts = check_folder(folder)
+    manifest = folder / MANIFEST
+    if manifest.is_file():
+        for name, entry in _json(manifest).get("files", {}).items():
+            f = folder / name
+            size = f.stat().st_size if f.is_file() else -1
+            if size != int(entry["bytes"]):
+                raise ModelUnavailable(
+                    f"{f} has {size} bytes, its manifest says {entry['bytes']}: the folder was "
+                    "changed after provisioning. " + provision_hint(folder.name))
+    return facts
+
+
+def provisioned(cache_dir: Path) -> list[str]:
+    if not cache_dir.is_dir():
+        return []
+    return sorted(p.name for p in cache_dir.iterdir() if (p / VERIFIED_MARKER).is_file())
 
 
 def resolve(name: str, cache_dir: Path, local_files_only: bool = True) -> str:
-    """Map a configured model name to something WhisperModel can load.
+    """Map a configured model name to a folder WhisperModel can load.
 
-    Order: a provisioned known model, a local folder, then a faster-whisper hub name (which only
-    works where the hub is reachable, or when it is already in the Hugging Face cache).
+    Order: a provisioned model (any name with a verified folder in ``cache_dir``), a local
+    folder, then a faster-whisper hub name (which only works where the hub is reachable, or when
+    it is already in the Hugging Face cache). Every answer passed :func:`check_folder`.
     """
-    if name in KNOWN:
-        if KNOWN[name].members:
-            raise ModelUnavailable(f"{name!r} is not a Whisper model")
-        folder = cache_dir / name
-        if not (folder / VERIFIED_MARKER).is_file():
-            raise ModelUnavailable(f"model {name!r} is not provisioned in {cache_dir}; "
-                                   + provision_hint(name))
-        check_folder(folder)
+    if name in KNOWN and KNOWN[name].members:
+        raise ModelUnavailable(f"{name!r} is not a Whisper model")
+    folder = cache_dir / name
+    if NAME_RE.match(name) and (folder / VERIFIED_MARKER).is_file():
+        check_provisioned(folder)
         return str(folder)
+    if name in KNOWN:
+        raise ModelUnavailable(f"model {name!r} is not provisioned in {cache_dir}; "
+                               + provision_hint(name))
     path = Path(name).expanduser()
     if path.is_dir():
         check_folder(path)
@@ -119,16 +185,28 @@ def resolve(name: str, cache_dir: Path, local_files_only: bool = True) -> str:
     try:
         from faster_whisper.utils import download_model
 
-        return str(download_model(name, local_files_only=local_files_only))
+        found = Path(download_model(name, local_files_only=local_files_only))
     except Exception as exc:
-        known = ", ".join(KNOWN)
+        have = ", ".join(provisioned(cache_dir)) or "none"
         raise ModelUnavailable(
-            f"model {name!r} is neither provisioned, a local folder, nor available from the "
-            f"hub ({type(exc).__name__}: {exc}). Provisionable offline: {known}; "
-            + provision_hint("whisper-base")
+            f"model {name!r} is neither provisioned in {cache_dir} (provisioned: {have}), a local "
+            f"folder, nor available from the hub ({type(exc).__name__}: {exc}). "
+            + provision_hint(name if NAME_RE.match(name) else "NAME")
         ) from exc
+    check_folder(found)
+    return str(found)
+
+
+# CTranslate2's own texts for a model file it cannot read (src/models/model.cc: load_model,
+# report_stream_error and the payload check), so only those are reported as a broken file.
+CORRUPT_TEXTS = ("is incomplete", "invalid payload size", "Unsupported model binary version",
+                 "Invalid string length", "Unable to open file")
+
+
+def is_broken_file(exc: BaseException) -> bool:
+    return any(t in str(exc) for t in CORRUPT_TEXTS)
 
 
 def broken_model_message(path: str, exc: BaseException) -> str:
     return (f"the model in {path} could not be loaded by CTranslate2 ({exc}); the file is "
-            "truncated or corrupt. Re-provision it, e.g. " + provision_hint("whisper-base"))
+            "truncated or corrupt. Re-provision it, e.g. " + provision_hint(Path(path).name))

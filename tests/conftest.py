@@ -62,6 +62,7 @@ class Server:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
+    module: str = "app"  # what ``python -m`` runs (tests/fakegpu_app.py: the same on a fake GPU)
 
     @property
     def url(self) -> str:
@@ -73,7 +74,7 @@ class Server:
         self.log_path = self.data_dir / f"server-{self.port}-{int(time.time() * 1000)}.log"
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", "app"], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module], cwd=ROOT, env=env,
                                      stdout=log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

@@ -103,7 +103,9 @@ def test_hadolint_clean():
 def test_dockerfile_essentials():
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^ARG VARIANT=cuda$", text, re.M)
-    assert "nvidia/cuda:12.8" in text and "cudnn-runtime-ubuntu24.04" in text
+    # No CUDA libraries from the base: cuBLAS (the only one CTranslate2 dlopens) is torch's wheel.
+    assert re.search(r"^FROM nvidia/cuda:12\.8\.1-base-ubuntu24\.04 AS os-cuda$", text, re.M)
+    assert "LD_LIBRARY_PATH=/opt/venv/lib/python3.11/site-packages/nvidia/cublas/lib" in text
     assert "python:3.11-slim-bookworm" in text
     assert "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4" in text
     assert "PYTHONUNBUFFERED=1" in text
@@ -113,6 +115,28 @@ def test_dockerfile_essentials():
     assert re.search(r'^CMD \["python", "-m", "app"\]$', text, re.M)
     users = re.findall(r"^USER (\S+)$", text, re.M)
     assert users and users[-1].split(":")[0] not in ("0", "root"), users
+
+
+def test_ctranslate2_wheel_needs_cublas_and_no_cudnn():
+    """What the cuda image's base rests on: the CTranslate2 wheel names libcublas.so.12 (it
+    dlopens it) and no cuDNN at all. A CTranslate2 upgrade that changes this fails here."""
+    import glob
+    import sysconfig
+
+    libs = glob.glob(f"{sysconfig.get_paths()['purelib']}/ctranslate2.libs/libctranslate2*.so*")
+    if not libs:
+        pytest.skip("no CTranslate2 wheel library installed")
+    data = Path(libs[0]).read_bytes()
+    assert b"libcublas.so.12" in data
+    assert b"libcudnn" not in data and b"cudnnCreate" not in data
+
+
+def test_gpu_overlay_serves_a_gpu_model_sized_by_the_app():
+    env = env_of(render("gpu"))
+    assert env["BATCHSCRIBE_MODEL__NAME"] not in ("whisper-base", "whisper-tiny")
+    for fixed in ("BATCHSCRIBE_MODEL__NUM_WORKERS", "BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE"):
+        assert fixed not in env  # measured on the pod's GPU at start, not guessed here
+    assert env_of(render("cpu"))["BATCHSCRIBE_MODEL__NAME"] == "whisper-base"
 
 
 def test_image_user_matches_pod_security_context():

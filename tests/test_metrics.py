@@ -162,7 +162,9 @@ def wait_done(client: httpx.Client, job_id: str, timeout: float = 300) -> dict[s
 
 
 def fake_settings(tmp: Path, **kw: Any) -> Settings:
-    return Settings(storage={"data_dir": tmp}, model={"vad": "silero"},  # type: ignore[arg-type]
+    # No warm-up: these fakes count and gate the batches requests send (the warm-up is tested
+    # in tests/test_gpu_readiness.py).
+    return Settings(storage={"data_dir": tmp}, model={"vad": "silero", "warmup": False},  # type: ignore[arg-type]
                     shutdown_grace_s=5, **kw)
 
 

@@ -246,3 +246,100 @@ async def test_two_real_engines_share_the_batches(clips: list) -> None:
     assert all(d >= 1 for d in done), done  # both engines transcribed batches
     assert sum(done) >= 4  # 8 clips in batches of at most 2
     pool.close()
+
+
+# ---- rotation, retry and health (issue 19) ---------------------------------------------------
+async def test_engine_leaves_after_repeated_failures_and_is_retried_later() -> None:
+    state = {"broken": True}
+
+    def flaky(windows: Sequence[Window]) -> None:
+        if state["broken"]:  # not sticky, not out of memory: a strike each time
+            raise RuntimeError("cuBLAS failed with status CUBLAS_STATUS_EXECUTION_FAILED")
+
+    bad, good = FakeEngine(fail=flaky), FakeEngine()
+    pool = EnginePool([EngineRunner(bad), EngineRunner(good)], strikes=3, retry_s=0.2)
+    back = asyncio.Event()
+    pool.on_restore = lambda n: back.set()
+    s_bad = pool.slots[0]
+    for k in range(3):  # each batch fails on the bad engine first (idle longest), then runs
+        assert s_bad.in_rotation, k
+        good.gate.clear()  # keep the good engine busy so the next batch tries the bad one
+        results = await asyncio.gather(pool.run([tagged_window(k)], EN),
+                                       _release_later(good))
+        assert results[0][0].text == f"w{k}"
+    assert not s_bad.in_rotation and s_bad.removals == 1 and "EXECUTION_FAILED" in (s_bad.error or "")
+    state["broken"] = False
+    await asyncio.wait_for(back.wait(), BOUND)  # retried after retry_s, on probation
+    assert s_bad.in_rotation and s_bad.strikes == 2
+    assert pool.pick() is s_bad  # idle longest: the next batch goes there
+    assert (await pool.run([tagged_window(9)], EN))[0].text == "w9"
+    assert s_bad.strikes == 0 and s_bad.done == 1  # healthy again: its record is cleared
+    pool.close()
+
+
+async def _release_later(fake: FakeEngine) -> None:
+    """Opens a fake's gate once a batch has entered it (so placement saw it busy)."""
+    await asyncio.to_thread(fake.entered.acquire, True, BOUND)
+    fake.gate.set()
+
+
+async def test_a_sticky_error_takes_an_engine_out_at_once(rig: Callable[..., Rig]) -> None:
+    def sticky(windows: Sequence[Window]) -> None:
+        raise RuntimeError("CUDA failed with error an illegal memory access was encountered")
+
+    r = rig(FakeEngine(fail=sticky), FakeEngine(), cap=4)
+    results = await r.run(4)
+    assert [getattr(x, "text", x) for x in results] == [f"w{i}" for i in range(4)]
+    assert not r.pool.slots[0].in_rotation and r.pool.slots[0].removals == 1
+    assert r.pool.unhealthy() is None  # the other engine carries on
+
+
+async def test_the_last_engine_failing_in_a_row_turns_unhealthy() -> None:
+    state = {"fail": True}
+
+    def failing(windows: Sequence[Window]) -> None:
+        if state["fail"]:
+            raise ValueError("cannot decode")
+
+    pool = EnginePool([EngineRunner(FakeEngine(fail=failing))], unhealthy_after=4)
+    for k in range(4):
+        assert pool.unhealthy() is None, k
+        with pytest.raises(ValueError):
+            await pool.run([tagged_window(k)], EN)
+    assert "4 engine calls in a row failed: ValueError: cannot decode" in (pool.unhealthy() or "")
+    state["fail"] = False
+    await pool.run([tagged_window(5)], EN)
+    assert pool.unhealthy() is None and pool.failing == 0
+    pool.close()
+
+
+async def test_one_window_out_of_memory_beside_others_waits_and_runs() -> None:
+    import threading
+
+    engine = FakeEngine(workers=2)
+    busy = {"n": 0}
+    oomed = threading.Event()
+    orig = engine.transcribe_batch
+
+    def metered(windows: Sequence[Window], options: DecodeOptions) -> list:
+        busy["n"] += 1
+        try:
+            if tag_of(windows[0]) != 1 and busy["n"] > 1:  # room for one batch at a time
+                oomed.set()
+                raise RuntimeError("cuBLAS failed with status CUBLAS_STATUS_ALLOC_FAILED")
+            return orig(windows, options)
+        finally:
+            busy["n"] -= 1
+
+    engine.transcribe_batch = metered  # type: ignore[method-assign]
+    pool = EnginePool([EngineRunner(engine)])
+    engine.gate.clear()
+    blocker = asyncio.ensure_future(pool.run([tagged_window(1)], EN))  # holds the device
+    assert await asyncio.to_thread(engine.entered.acquire, True, BOUND)
+    single = asyncio.ensure_future(pool.run([tagged_window(2)], EN))
+    assert await asyncio.to_thread(oomed.wait, BOUND)  # it ran out of memory beside the blocker
+    engine.gate.set()  # the blocker ends; the window runs again
+    assert (await asyncio.wait_for(single, BOUND))[0].text == "w2"
+    assert (await blocker)[0].text == "w1"
+    assert pool.slots[0].in_rotation and pool.unhealthy() is None
+    pool.close()

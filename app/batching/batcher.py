@@ -67,6 +67,7 @@ class Batcher:
         self._slots = asyncio.Semaphore(workers)
         self.workers = workers
         self._retiring: set[asyncio.Task[None]] = set()  # see retire_slots
+        self._retired = 0
         self._running: set[asyncio.Task[None]] = set()
         self._calls: dict[int, float] = {}  # engine calls running: id(windows) -> start
         self._task: asyncio.Task[None] | None = None
@@ -117,14 +118,22 @@ class Batcher:
         return queued + self._pool.pending()
 
     def retire_slots(self, n: int) -> None:
-        """Take ``n`` worker slots for good (an engine left the pool, see app/engine/placement.py), so
-        batches form only for threads that can run them, instead of waiting behind the others
-        with whatever windows had arrived."""
+        """Take ``n`` worker slots (an engine left the rotation, see app/engine/placement.py),
+        so batches form only for threads that can run them, instead of waiting behind the
+        others with whatever windows had arrived."""
         async def hold() -> None:
             for _ in range(n):
                 await self._slots.acquire()
+                self._retired += 1
 
         self._retiring.add(asyncio.ensure_future(hold()))
+
+    def restore_slots(self, n: int) -> None:
+        """Give back ``n`` retired slots (the engine is back in rotation)."""
+        for _ in range(min(n, self._retired)):
+            self._retired -= 1
+            self._slots.release()
+        self._wake.set()
 
     # ---- lifecycle ---------------------------------------------------------------------------
     def start(self) -> None:
@@ -146,7 +155,7 @@ class Batcher:
             await asyncio.wait(self._running, timeout=grace_s)
         while self._pool.groups and loop.time() < end:
             key = next(iter(self._pool.groups))
-            batch = Batch("decode", key[0], self._pool.take(key, self.limit("decode")))
+            batch = Batch("decode", key[0], self._pool.take(key, self.limit("decode", key[0])))
             self._in_flight += len(batch.items)
             task = asyncio.create_task(self._run(batch))
             await asyncio.wait({task}, timeout=max(0.0, end - loop.time()))
@@ -202,7 +211,7 @@ class Batcher:
                 continue
             self._groups[key] = live
             oldest = live[0].enqueued
-            if len(live) >= self.limit() or oldest + wait_s <= now or self._to_encode(live):
+            if len(live) >= self.limit("run", key) or oldest + wait_s <= now or self._to_encode(live):
                 ready.append((oldest, key))
             elif deadline is None or oldest + wait_s < deadline:
                 deadline = oldest + wait_s
@@ -255,6 +264,7 @@ class Batcher:
             shorts_in_flight=self._short_in_flight, among=among)
         if key is None:
             return None, deadline
+        limit = self.limit("decode", key[0])
         group = self._pool.groups[key]
         if all(i.job_windows > small for i in group) and self._slots.locked() and not self._small:
             limit = min(limit, small)
@@ -273,9 +283,10 @@ class Batcher:
     def cap(self) -> int:  # the batch cap now (halved after an OOM, see app/batching/capacity.py)
         return self._cap.value
 
-    def limit(self, stage: Stage = "run") -> int:
-        """Windows the next batch may take (see app/batching/capacity.py)."""
-        return self._cap.limit(stage, self._in_flight)
+    def limit(self, stage: Stage = "run", options: DecodeOptions | None = None) -> int:
+        """Windows the next batch may take (see app/batching/capacity.py): windows x beam count
+        where the cap is sized in them (GPU)."""
+        return self._cap.limit(stage, self._in_flight, _beam(options) if options else 1)
 
     def _take(self, group: list[Item]) -> list[Item]:
         """Choose up to ``cap`` windows of one group: fair across jobs, similar lengths together.
@@ -302,7 +313,7 @@ class Batcher:
             keyed += [(k, *t) for k, t in enumerate(windows)]
         keyed.sort(key=lambda t: t[:4])
         ranked = [t[1:] for t in keyed]
-        limit = self.limit()
+        limit = self.limit("run", group[0].options)
         small = self.small_batch
         if self._running:
             # Keep new requests responsive beside a long upload. Windows of jobs with nothing
@@ -459,7 +470,7 @@ class Batcher:
         oom = is_oom(exc)
         self._metrics.batches.labels("oom" if oom else "error").inc()
         if oom:
-            self._cap.out_of_memory(len(items))
+            self._cap.out_of_memory(len(items), _beam(key))
         if len(items) == 1:
             log.error("window of job %s failed: %s", items[0].job_id, exc)
             items[0].fail(TranscriptionFailed(
@@ -473,3 +484,8 @@ class Batcher:
 
     def _update_gauges(self) -> None:
         self._metrics.pending_windows.set(self.pending())
+
+
+def _beam(options: DecodeOptions) -> int:
+    """Decoder states per window: the beam, or 1 when sampling."""
+    return options.beam_size if options.temperature == 0 else 1

@@ -1,10 +1,16 @@
-"""How many windows the next batch may take: the batch cap and the memory budget.
+"""How many windows the next batch may take: the batch cap, windows x beam, the memory budget.
 
-The cap starts at ``max_batch_size``. An out-of-memory error halves it (relative to the batch
-that failed, never below what already fits) and ``regrow_after`` clean batches in a row double
-it again, so one oversized moment does not cost throughput for good. On top of the cap, with
-``memory_budget_mb`` set, the windows in flight never exceed what the budget left after the
-resident model can hold (``window_memory_mb`` each, measured by ``python -m loadtest.sweep``).
+The cap starts at ``max_batch_size``: on CPU as configured (8, measured there), on GPU what the
+start-up sizing measured on the device (app/engine/sizing.py resolves it into the settings the
+batcher gets). With ``max_batch_beams`` set (GPU), a batch also holds at most that many windows
+x beam size: beam search keeps ``beam`` decoder states per window, each with its own attention
+caches, so a beam-10 request's windows take ten times the memory of greedy ones.
+
+An out-of-memory error halves the cap (relative to the batch that failed, counted in windows x
+beam, never below what already fits) and ``regrow_after`` clean batches in a row double it
+again, up to where it started, so one oversized moment does not cost throughput for good. On
+CPU, with ``memory_budget_mb`` set, the windows in flight never exceed what the budget left after
+the resident model can hold (``window_memory_mb`` each, measured by ``python -m loadtest.sweep``).
 """
 
 from __future__ import annotations
@@ -22,19 +28,26 @@ class BatchCap:
     def __init__(self, settings: BatcherSettings, metrics: Metrics,
                  base_memory_mb: float = 0.0) -> None:
         self.settings = settings
-        self.value = settings.max_batch_size
+        self.value = settings.max_batch_size  # windows per batch at beam 1; halved after an OOM
         self._base_memory_mb = base_memory_mb  # held before any batch: the resident model
         self._streak = 0
         self._metrics = metrics
         metrics.batch_cap.set(self.value)
 
-    def limit(self, stage: Stage, in_flight: int) -> int:
-        """Windows the next batch may take, with ``in_flight`` windows already in engine calls.
-        A decoder batch's cap is ``max_decode_batch_size``, scaled down with the cap."""
+    def _scaled(self, full: int) -> int:
+        """``full`` (a bound stated at the full cap) scaled down with the cap after an OOM."""
+        return max(1, full * self.value // self.settings.max_batch_size)
+
+    def limit(self, stage: Stage, in_flight: int, beam: int = 1) -> int:
+        """Windows the next batch may take, with ``in_flight`` windows already in engine calls
+        and ``beam`` the batch's beam size (1 for greedy and for sampling). A decoder batch's
+        cap is ``max_decode_batch_size``, scaled down with the cap."""
         s = self.settings
         cap = self.value
         if stage == "decode":
-            cap = max(1, s.max_decode_batch_size * self.value // s.max_batch_size)
+            cap = self._scaled(s.max_decode_batch_size)
+        if s.max_batch_beams and beam > 1:
+            cap = max(1, min(cap, self._scaled(s.max_batch_beams) // beam))
         if not s.memory_budget_mb:
             return cap
         room = int((s.memory_budget_mb - self._base_memory_mb) / s.window_memory_mb)
@@ -50,10 +63,12 @@ class BatchCap:
             self._metrics.batch_cap.set(self.value)
             log.info("batch cap regrown to %d", self.value)
 
-    def out_of_memory(self, failed: int) -> None:
-        """A batch of ``failed`` windows ran out of memory: halve the cap."""
+    def out_of_memory(self, failed: int, beam: int = 1) -> None:
+        """A batch of ``failed`` windows at beam size ``beam`` ran out of memory: halve the cap
+        (with windows x beam counted, what failed was ``failed * beam`` of them)."""
         self._metrics.oom_events.inc()
-        self.value = max(1, min(self.value, failed // 2))
+        units = failed * beam if self.settings.max_batch_beams else failed
+        self.value = max(1, min(self.value, units // 2))
         self._streak = 0
         self._metrics.batch_cap.set(self.value)
-        log.warning("engine OOM on %d windows; cap now %d", failed, self.value)
+        log.warning("engine OOM on %d windows (beam %d); cap now %d", failed, beam, self.value)

@@ -20,6 +20,11 @@ class EngineInfo:
     device: str
     compute_type: str
     num_workers: int
+    device_index: int = 0  # CUDA ordinal of its GPU (engine k runs on GPU k)
+
+    @property
+    def name(self) -> str:
+        return f"{self.device}:{self.device_index}"
 
 
 class Engine(Protocol):

@@ -1,4 +1,5 @@
-"""The one seam to accelerator specifics: device choice, memory readings, OOM classification.
+"""The one seam to accelerator specifics: device choice and order, compute types, memory
+readings, error classification (out of memory, sticky CUDA errors).
 
 Everything GPU-only is imported lazily and guarded, so the CPU path never needs CUDA, NVML or a
 driver, and tests can inject faults (NVML missing, NVML errors, several GPUs) by passing a fake
@@ -7,6 +8,7 @@ driver, and tests can inject faults (NVML missing, NVML errors, several GPUs) by
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 from dataclasses import dataclass
@@ -14,6 +16,20 @@ from types import ModuleType
 from typing import Any
 
 log = logging.getLogger(__name__)
+
+
+def use_pci_bus_order() -> str:
+    """Number GPUs as NVML does (by PCI bus id) rather than CUDA's default FASTEST_FIRST.
+
+    Must run before CUDA initialises (the first CTranslate2 or torch CUDA call): engine k runs
+    on CUDA ordinal k, and the memory readings, utilisation and sizing read NVML's device k.
+    With FASTEST_FIRST on a host with mixed GPUs those are different devices. An operator's
+    explicit choice is kept (and warned about)."""
+    order = os.environ.setdefault("CUDA_DEVICE_ORDER", "PCI_BUS_ID")
+    if order != "PCI_BUS_ID":
+        log.warning("CUDA_DEVICE_ORDER=%s: NVML numbers GPUs by PCI bus id, so memory readings "
+                    "and sizing may be attributed to the wrong GPU on a mixed host", order)
+    return order
 
 
 def cuda_device_count() -> int:
@@ -26,31 +42,147 @@ def cuda_device_count() -> int:
         return 0
 
 
+def cuda_unavailable_reason() -> str:
+    """Why CTranslate2 sees no GPU, in the library's own words where it has some: on this
+    (driverless) machine "CUDA failed with error CUDA driver version is insufficient for CUDA
+    runtime version"; on a host whose GPUs are hidden, "... no CUDA-capable device is detected"."""
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    try:
+        import ctranslate2
+
+        ctranslate2.get_supported_compute_types("cuda", 0)
+    except Exception as exc:
+        return str(exc)
+    if visible is not None:
+        return f"no GPU visible (CUDA_VISIBLE_DEVICES={visible!r})"
+    return "no GPU visible"
+
+
 def resolve_device(requested: str) -> str:
     if requested == "auto":
         return "cuda" if cuda_device_count() > 0 else "cpu"
     return requested
 
 
-def resolve_compute_type(requested: str, device: str) -> str:
-    if requested != "auto":
-        return requested
-    # int8 keeps whisper-base at ~40x realtime on 2 CPU cores; float16 is the GPU sweet spot.
-    return "float16" if device == "cuda" else "int8"
+# Preferred compute types, best first. GPU: float16 is Whisper's native precision and what
+# tensor cores run; bfloat16 where float16 is not efficient; the int8 mixes for cards without
+# either (e.g. Pascal). CPU: int8 (measured here: whisper-base at ~40x realtime on 2 cores).
+PREFERRED_COMPUTE = {
+    "cuda": ("float16", "bfloat16", "int8_float16", "int8_bfloat16", "int8_float32", "int8",
+             "float32"),
+    "cpu": ("int8", "int8_float32", "float32"),
+}
+
+
+class UnsupportedComputeType(ValueError):
+    pass
+
+
+def supported_compute_types(device: str, index: int = 0) -> set[str]:
+    """What CTranslate2 can run efficiently on this device (``get_supported_compute_types``)."""
+    import ctranslate2
+
+    return set(ctranslate2.get_supported_compute_types(device, index))
+
+
+def resolve_compute_type(requested: str, device: str, index: int = 0) -> str:
+    """``auto``: the first of :data:`PREFERRED_COMPUTE` the device supports. An explicit type the
+    device cannot run is refused here, naming the ones it can (CTranslate2's own error says only
+    "do not support efficient float16 computation")."""
+    try:
+        supported = supported_compute_types(device, index)
+    except Exception:  # no CUDA at all: the load reports that with the library's message
+        supported = set()
+    if requested == "auto":
+        for ct in PREFERRED_COMPUTE.get(device, ()):
+            if ct in supported:
+                return ct
+        return "float16" if device == "cuda" else "int8"
+    if supported and requested not in supported and requested != "default":
+        raise UnsupportedComputeType(
+            f"compute_type {requested} is not supported on {device}:{index} (supported: "
+            f"{', '.join(sorted(supported))}); set BATCHSCRIBE_MODEL__COMPUTE_TYPE=auto")
+    return requested
+
+
+def torch_device(device: str, index: int = 0) -> str:
+    """Where torch work for engine ``index`` belongs (batched mel): its GPU when torch sees one,
+    else the CPU (a CPU-only torch, or a fake GPU in tests)."""
+    if device == "cuda":
+        try:
+            import torch
+
+            if torch.cuda.is_available() and index < torch.cuda.device_count():
+                return f"cuda:{index}"
+        except Exception:
+            pass
+    return "cpu"
+
+
+# ---- errors ------------------------------------------------------------------------------------
+# Out-of-memory texts, lower-cased, each as its library writes it:
+OOM_TEXTS = (
+    # CTranslate2 CUDA_CHECK (src/cuda/utils.h) + cudaGetErrorString(cudaErrorMemoryAllocation):
+    # "CUDA failed with error out of memory"; thrust (CTranslate2's element-wise kernels):
+    # "parallel_for failed: cudaErrorMemoryAllocation: out of memory"; torch:
+    # "CUDA out of memory. Tried to allocate ..." and "CUDA error: out of memory".
+    "out of memory",
+    "cudaerrormemoryallocation",
+    # CTranslate2 CUBLAS_CHECK + cublasGetStatusName (src/cuda/utils.cc):
+    # "cuBLAS failed with status CUBLAS_STATUS_ALLOC_FAILED".
+    "cublas_status_alloc_failed",
+    # cuDNN (CTranslate2 CUDNN_CHECK "cuDNN failed with status ...", torch "cuDNN error: ...")
+    # via cudnnGetErrorString: cuDNN 8 "CUDNN_STATUS_ALLOC_FAILED"; cuDNN 9 (cudnn_graph.h)
+    # "CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED" / "..._HOST_ALLOCATION_FAILED".
+    "cudnn_status_alloc_failed",
+    "_allocation_failed",
+    # torch's cuFFT (mel on the GPU): "cuFFT error: CUFFT_ALLOC_FAILED".
+    "cufft_alloc_failed",
+    # CTranslate2's CPU allocator (src/cpu/allocator.cc): "mkl_malloc: failed to allocate
+    # memory", "aligned_alloc: failed to allocate memory"; src/storage_view.cc: "failed to
+    # allocated memory" (sic).
+    "failed to allocate memory",
+    "failed to allocated memory",
+    # thrust's parallel_for on a starved card reports an invalid device ordinal; measured by
+    # homelab-00/TranscriptionSuite#268 (RTX 3060, 869 MiB free): it alternated with "CUDA failed
+    # with error out of memory" at the same call site, whisperx's encode.
+    "parallel_for failed: cudaerrorinvaliddevice",
+)
+
+# CUDA errors that corrupt the context: every later call in this process fails too, and only a
+# restart recovers (cudaGetErrorString texts, as CTranslate2's CUDA_CHECK and thrust wrap them).
+STICKY_TEXTS = (
+    "an illegal memory access was encountered",  # cudaErrorIllegalAddress
+    "unspecified launch failure",  # cudaErrorLaunchFailure
+    "an illegal instruction was encountered",  # cudaErrorIllegalInstruction
+    "misaligned address",  # cudaErrorMisalignedAddress
+    "device-side assert triggered",  # cudaErrorAssert
+    "uncorrectable ecc error encountered",  # cudaErrorECCUncorrectable
+    "unrecoverable error",  # cudaErrorUnrecoverable (bus errors, "GPU has fallen off the bus")
+)
 
 
 def is_oom(exc: BaseException) -> bool:
-    """True for the out-of-memory errors the engine can raise on any device.
+    """True for the out-of-memory errors the engine can raise on any device: the batch is split
+    and the cap halved, never an engine taken out of rotation for it.
 
-    CTranslate2 raises ``RuntimeError("... out of memory ...")`` (CUDA and allocator failures),
-    torch raises ``torch.cuda.OutOfMemoryError`` (a RuntimeError subclass), and the CPU allocator
-    raises ``MemoryError``.
+    ``MemoryError`` (the CPU allocator), torch's ``OutOfMemoryError`` (a RuntimeError subclass),
+    and RuntimeErrors whose text is one of :data:`OOM_TEXTS`.
     """
     if isinstance(exc, MemoryError):
         return True
     if type(exc).__name__ == "OutOfMemoryError":
         return True
-    return isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower()
+    if not isinstance(exc, RuntimeError):
+        return False
+    text = str(exc).lower()
+    return any(t in text for t in OOM_TEXTS)
+
+
+def is_sticky(exc: BaseException) -> bool:
+    """A CUDA error after which every call in this process fails (see :data:`STICKY_TEXTS`)."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and any(t in text for t in STICKY_TEXTS)
 
 
 @dataclass(frozen=True)
@@ -128,6 +260,8 @@ class DeviceMonitor:
             return True
         except Exception as exc:  # NVML missing or broken: fall back, say why once
             log.warning("NVML unavailable (%s); using torch.cuda.mem_get_info", exc)
+            with contextlib.suppress(Exception):  # imported here, not on the first scrape:
+                import torch  # noqa: F401  (seconds of import on the event loop otherwise)
             return False
 
     def read(self) -> list[MemoryReading]:

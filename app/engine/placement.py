@@ -7,12 +7,20 @@ utilisation as NVML reports it, then windows in flight, then the one idle longes
 engines take turns and a busy one is passed over.
 
 Failures. An out-of-memory error is the batcher's business (it halves its cap and splits the
-batch), so it is passed up as is. Any other error is first blamed on neither side: the batch is
-re-run on another engine. If that one succeeds, the engine that failed is broken and is taken out
-of rotation for good (its worker slots are retired from the batcher); if every engine fails the
-same batch, the batch is at fault (a poison input must not take every GPU out one by one), and the
-error goes up for the batcher to split and isolate the window. The last engine is never removed
-this way; when none is left (none loaded), a batch fails with :class:`NoEngineLeft`.
+batch), so it is passed up as is and never counts against an engine (app/engine/device.py
+classifies CUDA, cuBLAS, cuDNN and thrust texts); only a single window, which cannot be split,
+that ran out of memory beside other batches on its engine waits for one of them to end and runs
+again (a GPU shared with another process: an OOM storm then costs latency, not jobs). Any other
+error is first blamed on neither side: the batch is re-run on another engine. If that one
+succeeds, the engine that failed gets a strike; ``model.engine_strikes`` strikes in a row (or one
+sticky CUDA error, after which the device's context is lost) take it out of rotation, and it is
+tried again after ``model.engine_retry_s`` (doubling on each relapse): a passing fault costs a
+GPU for a while, not for good. If every engine fails the same batch, the batch is at fault (a
+poison input must not take every GPU out one by one), and the error goes up for the batcher to
+split and isolate the window. The last engine in rotation is never removed; instead,
+``batcher.unhealthy_after`` calls in a row failing on every engine (or a sticky error on the last
+one) make :meth:`EnginePool.unhealthy` say why, and ``/healthz`` answers 503 so the orchestrator
+restarts the process.
 """
 
 from __future__ import annotations
@@ -28,13 +36,13 @@ from typing import Any, TypeVar, cast
 
 from app.config import Settings
 from app.engine import Engine, StagedEngine
-from app.engine.device import cuda_device_count, is_oom, resolve_device
+from app.engine.device import cuda_device_count, is_oom, is_sticky, resolve_device
 from app.windows import DecodeOptions, Encoded, Window, WindowResult
 
 log = logging.getLogger(__name__)
 
 T = TypeVar("T")
-Utilisation = Callable[[int], float | None]  # engine index -> busy fraction 0..1, None: unknown
+Utilisation = Callable[[int], float | None]  # CUDA ordinal -> busy fraction 0..1, None: unknown
 
 
 class NoEngineLeft(RuntimeError):
@@ -54,23 +62,44 @@ class Slot:
     windows: int = 0
     last_start: float = 0.0
     done: int = 0  # batches completed here (status and tests)
-    error: str | None = None  # why it left the rotation
+    error: str | None = None  # why it last left the rotation
+    strikes: int = 0  # batches in a row it failed and another engine then ran
+    sticky: bool = False  # its last failure was a sticky CUDA error
+    removals: int = 0  # times it left the rotation (the retry delay doubles with each)
+    retry_at: float | None = None  # monotonic time it is tried again, while out of rotation
+    freed: asyncio.Event | None = None  # set when one of its calls ends (see _placed)
+    ended: int = 0  # calls ended here, however they ended
 
     @property
     def workers(self) -> int:
         return self.runner.workers
 
+    @property
+    def device(self) -> int:
+        """Its GPU's CUDA ordinal (a GPU that failed to load leaves a gap), else its position."""
+        info = self.runner.engine.info
+        return info.device_index if info.device == "cuda" else self.index
+
 
 class EnginePool:
     def __init__(self, runners: Sequence[EngineRunner], utilisation: Utilisation | None = None,
-                 on_remove: Callable[[int], None] | None = None) -> None:
+                 on_remove: Callable[[int], None] | None = None, *, strikes: int = 3,
+                 retry_s: float = 60.0, unhealthy_after: int = 12) -> None:
         if not runners:
             raise ValueError("an engine pool needs at least one engine")
-        self.slots = [Slot(k, f"{r.engine.info.device}:{k}", r) for k, r in enumerate(runners)]
+        self.slots = [Slot(k, r.engine.info.name if r.engine.info.device == "cuda"
+                           else f"{r.engine.info.device}:{k}", r) for k, r in enumerate(runners)]
         self._utilisation = utilisation
-        # Called with the worker count of an engine leaving the rotation (the batcher retires
-        # that many slots, so batches keep forming only for threads that can run them).
+        # Called with the worker count of an engine leaving / re-entering the rotation (the
+        # batcher retires that many slots, so batches keep forming only for threads that can
+        # run them, and gets them back when the engine returns).
         self.on_remove = on_remove
+        self.on_restore: Callable[[int], None] | None = None
+        self.strikes = strikes
+        self.retry_s = retry_s
+        self.unhealthy_after = unhealthy_after
+        self.failing = 0  # calls in a row that failed on every engine tried (not OOM)
+        self._last_error: str | None = None
 
     # ---- what the rest of the service reads ---------------------------------------------------
     @property
@@ -87,8 +116,22 @@ class EnginePool:
         return [s for s in self.slots if s.in_rotation]
 
     def status(self) -> list[dict[str, Any]]:
+        now = time.monotonic()
         return [{"engine": s.name, "in_rotation": s.in_rotation, "batches_in_flight": s.batches,
-                 "batches_done": s.done, "error": s.error} for s in self.slots]
+                 "batches_done": s.done, "error": s.error, "strikes": s.strikes,
+                 "retry_in_s": None if s.retry_at is None else round(max(0.0, s.retry_at - now), 1)}
+                for s in self.slots]
+
+    def unhealthy(self) -> str | None:
+        """Why the process should be restarted, or None. Only the last engine in rotation can
+        make it so (others are taken out of rotation instead): a sticky CUDA error there, or
+        ``unhealthy_after`` calls in a row that no engine could run."""
+        live = self.live()
+        if len(live) == 1 and live[0].sticky:
+            return f"sticky CUDA error on {live[0].name}: {live[0].error}"
+        if self.failing >= self.unhealthy_after:
+            return f"{self.failing} engine calls in a row failed: {self._last_error}"
+        return None
 
     # ---- placement ----------------------------------------------------------------------------
     def pick(self, exclude: Sequence[Slot] = ()) -> Slot | None:
@@ -98,7 +141,7 @@ class EnginePool:
         return min(candidates, key=self._load)
 
     def _load(self, s: Slot) -> tuple[bool, float, float, int, float]:
-        util = self._utilisation(s.index) if self._utilisation else None
+        util = self._utilisation(s.device) if self._utilisation else None
         # Utilisation rounded to 10 %: NVML samples are noisy, and near-equal devices should
         # fall through to the cheaper, exact keys (our own windows in flight, then idle time).
         return (s.suspect, s.batches / s.workers, round(util or 0.0, 1), s.windows, s.last_start)
@@ -123,27 +166,51 @@ class EnginePool:
     async def _placed(self, n_windows: int, call: Callable[[EngineRunner], Awaitable[T]]) -> T:
         tried: list[Slot] = []
         first: Exception | None = None
+        waits = 0
         while True:
             slot = self.pick(exclude=tried)
             if slot is None:
                 for s in tried:  # every engine failed it: the batch, not they, is at fault
                     s.suspect = False
                 if first is not None:
+                    self.failing += 1
+                    self._last_error = f"{type(first).__name__}: {first}"
                     raise first
                 raise NoEngineLeft("no engine left in rotation")
             tried.append(slot)
+            ended = slot.ended
             try:
                 results = await self._run_on(slot, n_windows, call)
             except Exception as exc:
+                others_ended = slot.ended - ended - 1  # calls beside it that ended meanwhile
+                if is_oom(exc) and n_windows == 1 and (slot.batches or others_ended) \
+                        and waits < slot.workers:
+                    # One window that did not fit beside the engine's other batches: a smaller
+                    # batch cannot exist, so run it again once one of them has ended, rather
+                    # than fail its job (an OOM storm on a shared GPU).
+                    waits += 1
+                    log.warning("one window ran out of memory on %s beside %d batch(es); "
+                                "retrying when one ends (%s)", slot.name, slot.batches, exc)
+                    if not others_ended:
+                        slot.freed = slot.freed or asyncio.Event()
+                        await slot.freed.wait()
+                    tried.pop()
+                    continue
                 if is_oom(exc):
                     raise  # the batcher halves its cap and splits; no engine is to blame
                 log.warning("batch of %d windows failed on engine %s (%s: %s); re-placing it",
                             n_windows, slot.name, type(exc).__name__, exc)
                 slot.suspect = True
+                slot.sticky = is_sticky(exc)
+                slot.error = f"{type(exc).__name__}: {exc}"
                 first = first or exc
                 continue
-            for bad in tried[:-1]:  # failed what another engine could run: broken
-                self._remove(bad, first)
+            self.failing = 0
+            for bad in tried[:-1]:  # failed what another engine could run: a strike
+                bad.suspect = False
+                bad.strikes += 1
+                if bad.sticky or bad.strikes >= self.strikes:
+                    self._remove(bad)
             return results
 
     async def _run_on(self, slot: Slot, n_windows: int,
@@ -156,19 +223,39 @@ class EnginePool:
         finally:
             slot.batches -= 1
             slot.windows -= n_windows
-        slot.suspect = False
+            slot.ended += 1
+            if slot.freed is not None:  # wake windows waiting for room on this engine
+                slot.freed.set()
+                slot.freed = None
+        slot.suspect = slot.sticky = False
+        slot.strikes = 0
         slot.done += 1
         return results
 
-    def _remove(self, slot: Slot, exc: Exception | None) -> None:
+    def _remove(self, slot: Slot) -> None:
         if not slot.in_rotation or len(self.live()) <= 1:
             return
         slot.in_rotation = False
-        slot.error = f"{type(exc).__name__}: {exc}" if exc else "failed"
-        log.error("engine %s taken out of rotation: %s; %d engine(s) left", slot.name,
-                  slot.error, len(self.live()))
+        slot.removals += 1
+        delay = self.retry_s * 2 ** min(4, slot.removals - 1)
+        slot.retry_at = time.monotonic() + delay
+        log.error("engine %s taken out of rotation: %s; %d engine(s) left; retried in %.0f s",
+                  slot.name, slot.error, len(self.live()), delay)
+        asyncio.get_running_loop().call_later(delay, self._restore, slot)
         if self.on_remove is not None:
             self.on_remove(slot.workers)
+
+    def _restore(self, slot: Slot) -> None:
+        """Back on probation: one more failure there takes it out again, for twice as long;
+        a success clears its record (``_run_on``)."""
+        if slot.in_rotation:
+            return
+        slot.in_rotation, slot.retry_at = True, None
+        slot.strikes = max(0, self.strikes - 1)
+        slot.suspect = slot.sticky = False
+        log.warning("engine %s back in rotation on probation (out since: %s)", slot.name, slot.error)
+        if self.on_restore is not None:
+            self.on_restore(slot.workers)
 
     def close(self) -> None:
         for s in self.slots:
@@ -272,10 +359,12 @@ class NvmlUtilisation:
             return None
 
 
-def make_pool(engines: Sequence[Engine]) -> EnginePool:
+def make_pool(engines: Sequence[Engine], settings: Settings | None = None) -> EnginePool:
     runners = [EngineRunner(e) for e in engines]
     util = NvmlUtilisation() if engines[0].info.device == "cuda" and len(engines) > 1 else None
-    return EnginePool(runners, util)
+    s = settings or Settings()
+    return EnginePool(runners, util, strikes=s.model.engine_strikes, retry_s=s.model.engine_retry_s,
+                      unhealthy_after=s.batcher.unhealthy_after)
 
 
 __all__ = ["EnginePool", "EngineRunner", "NoEngineLeft", "Slot", "engine_count", "load_engines",

@@ -30,7 +30,7 @@ from app.engine.decoding import (
     search_args,
     to_result,
 )
-from app.engine.device import resolve_compute_type, resolve_device
+from app.engine.device import resolve_compute_type, resolve_device, torch_device
 from app.engine.mel import batch_features
 from app.windows import (
     N_SAMPLES,
@@ -76,26 +76,33 @@ class WhisperEngine:
 
         # Mel is computed with torch; keep its pool small so it never fights CTranslate2's.
         torch.set_num_threads(settings.torch_threads)
+        # app.engine.loading.engine_settings resolves every "auto" before the service calls
+        # this; resolving here again keeps direct callers (tests, benchmarks) working.
         device = resolve_device(settings.device)
-        compute_type = resolve_compute_type(settings.compute_type, device)
-        workers = settings.num_workers or (1 if device == "cuda" else _cpu_count())
+        index = settings.device_index if device == "cuda" else 0
+        compute_type = resolve_compute_type(settings.compute_type, device, index)
+        workers = settings.num_workers or (2 if device == "cuda" else _cpu_count())
         self.model = WhisperModel(
             model_path,
             device=device,
-            device_index=settings.device_index if device == "cuda" else 0,  # engine k: GPU k
+            device_index=index,  # engine k: GPU k
             compute_type=compute_type,
             cpu_threads=settings.cpu_threads,
             num_workers=workers,
             local_files_only=settings.local_files_only,
         )
         self._prompts = Prompts(self.model)
-        self._n_mels = int(self.model.feat_kwargs.get("feature_size") or 80)
+        # The model's own mel bins (128 for large-v3 and turbo), not the folder's preprocessor
+        # file (faster-whisper assumes 80 without one).
+        self.n_mels = int(getattr(self.model.model, "n_mels", 0)
+                          or self.model.feat_kwargs.get("feature_size") or 80)
         self._device = device
+        self._mel_device = torch_device(device, index)
         self.dynamic = time_axis(settings, device) == "dynamic"
         self._margin = int(settings.pad_margin_s * SAMPLE_RATE)
         self._tokens_per_s = settings.max_tokens_per_s
         self._limit = int(self.model.max_length)
-        self.info = EngineInfo(model_name, device, compute_type, workers)
+        self.info = EngineInfo(model_name, device, compute_type, workers, index)
         log.info("engine ready: %s", self.info)
 
     def padded_samples(self, window: Window) -> int:
@@ -188,7 +195,7 @@ class WhisperEngine:
     # ---- the model calls --------------------------------------------------------------------
     def _encode(self, windows: Sequence[Window], n: int,
                 languages: Languages | None = None) -> tuple[Any, Languages]:
-        feats = batch_features([w.audio for w in windows], n, self._n_mels, self._device)
+        feats = batch_features([w.audio for w in windows], n, self.n_mels, self._mel_device)
         encoder_output = self.model.encode(feats)
         return encoder_output, languages or self._languages(windows, encoder_output)
 

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import numpy as np
 
-from models.registry import SPEAKERS_MODEL, provisioned
+from models.registry import SPEAKERS_MODEL, provisioned_folder
 
 SAMPLE_RATE = 16_000
 CROP_SAMPLES = 24_000  # 1.5 s: 3D-Speaker's diarization sub-segment (dur=1.5, step=0.75)
@@ -117,7 +117,7 @@ class SpeakerModels:
 
 def load(cache_dir: Path, device: str = "cpu") -> SpeakerModels:
     """The provisioned models, or ``ModelUnavailable`` naming the command to run."""
-    return SpeakerModels(provisioned(SPEAKERS_MODEL, cache_dir), device)
+    return SpeakerModels(provisioned_folder(SPEAKERS_MODEL, cache_dir), device)
 
 
 def circle_pad(x: np.ndarray, n: int = CROP_SAMPLES) -> np.ndarray:
