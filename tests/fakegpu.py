@@ -348,8 +348,8 @@ class MeterEngine:
                     self._meet.wait(2.0)
                 except threading.BrokenBarrierError:
                     self._meet.reset()
-        return [WindowResult("", options.language or "en", None, -0.1, 0.0, 1.0)
-                for _ in windows]
+        return [WindowResult("", w.prompt.language or "en", None, -0.1, 0.0, 1.0)
+                for w in windows]
 
     def close(self) -> None:
         self._weights.__exit__(None, None, None)

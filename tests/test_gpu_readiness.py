@@ -43,6 +43,7 @@ from app.engine.loading import (
 )
 from app.engine.sizing import EngineSizing, budget_bytes, resolve_batcher, unit_bytes, units_per_batch
 from app.engine.warmup import WarmupFailed, warm_up, warm_up_all
+from app.engine.whisper import time_axis
 from models.ct2file import read_facts
 from models.provision import bake, provision_local, verify
 from models.registry import ModelUnavailable, check_folder, resolve
@@ -92,6 +93,7 @@ class Recording(FakeEngine):
 
     def transcribe_batch(self, windows: Any, options: Any) -> Any:
         self.calls.append((len(windows), options))
+        self.languages = [w.prompt.language for w in windows]
         if self._fail is not None:
             raise self._fail
         return super().transcribe_batch(windows, options)
@@ -112,7 +114,7 @@ def test_warmup_runs_detection_beam_search_and_word_alignment() -> None:
     eng = Recording()
     sizing = warm_up(eng, Settings(), DeviceMonitor("cpu"), NoPools())
     [(n, opts)] = eng.calls  # CPU: one probe window, no sizing
-    assert n == 1 and opts.language is None and opts.beam_size == 2 and opts.word_timestamps
+    assert n == 1 and eng.languages == [None] and opts.beam_size == 2 and opts.word_timestamps
     assert sizing.verified is None and sizing.engine == "cpu:0"
 
 
@@ -248,7 +250,8 @@ def test_gpu_engines_default_to_the_full_axis_and_two_workers(gpu_patch: Any) ->
     m = engine_settings(ModelSettings(device="cuda"))
     assert (m.time_axis, m.num_workers, m.compute_type) == ("full", 2, "float16")
     assert engine_settings(ModelSettings(device="cuda", time_axis="dynamic")).time_axis == "dynamic"
-    assert engine_settings(ModelSettings(device="cpu")).time_axis == "dynamic"
+    assert engine_settings(ModelSettings(device="cpu")).time_axis in ("auto", "dynamic")
+    assert time_axis(engine_settings(ModelSettings(device="cpu")), "cpu") == "dynamic"
     import torch  # a fake GPU: torch sees none, so torch work (the batched mel) stays on CPU
 
     assert torch_device("cuda", 0) == ("cuda:0" if torch.cuda.is_available() else "cpu")
@@ -382,10 +385,10 @@ def test_gpus_are_numbered_by_pci_bus_before_cuda_starts(preset: str | None,
 def test_prep_workers_and_engine_slots_follow_the_gpus() -> None:
     from app.engine import EngineInfo
     from app.engine.placement import EnginePool, EngineRunner
-    from app.main import runner_settings
+    from app.jobs.prep import prep_threads
 
-    assert runner_settings(Settings(prep_workers=1), 4).prep_workers == 4
-    assert runner_settings(Settings(prep_workers=6), 4).prep_workers == 6
+    assert prep_threads(1, 4) == 4 and prep_threads(6, 4) == 6  # at least one per engine
+    assert prep_threads(0, 4) >= 4  # auto: one per core, at least one per engine
     engines = [FakeEngine(), FakeEngine()]
     for e, index in zip(engines, (0, 2), strict=True):  # GPU 1 failed to load
         e.info = EngineInfo("fake", "cuda", "float16", 2, index)

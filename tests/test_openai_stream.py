@@ -64,13 +64,13 @@ async def test_every_window_is_readable_when_its_change_fires(
     rig = await rig_factory()
     clip = max(clips, key=lambda c: c.duration_s)  # ~60 s: a few windows
     seen: list[list[str] | None] = []
-    changed = rig.runner._changed
+    changed = rig.runner.changed
 
     def spy(job_id: str) -> None:
         seen.append(rig.runner.finished_prefix(job_id, 0))
         changed(job_id)
 
-    rig.runner._changed = spy  # type: ignore[method-assign]
+    rig.runner.changed = spy  # type: ignore[method-assign]
     upload = rig.tmp / "j1"
     upload.write_bytes(clip.path.read_bytes())
     await rig.runner.submit("j1", upload, clip.path.name, JobOptions(), clip.duration_s, None)

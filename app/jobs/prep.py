@@ -28,10 +28,9 @@ T = TypeVar("T")
 
 
 def prep_threads(configured: int, engines: int = 1) -> int:
-    """``prep.workers``, or one per core and at least one per engine (0)."""
-    if configured:
-        return configured
-    return max(engines, len(os.sched_getaffinity(0)))
+    """``prep.workers`` (0: one per core), and at least one per engine: one thread decoding and
+    VAD-cutting uploads for every GPU would leave all but one of them waiting for windows."""
+    return max(engines, configured or len(os.sched_getaffinity(0)))
 
 
 class PrepPool:
