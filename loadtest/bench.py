@@ -31,7 +31,6 @@ import argparse
 import asyncio
 import datetime as dt
 import json
-import os
 import shlex
 import shutil
 import sys
@@ -45,17 +44,13 @@ from typing import Any
 from loadtest.common import (
     SHORT_CLIP_S,
     Clip,
-    child_env,
-    cpu_count,
-    layout_name,
     load_corpus,
     machine_info,
-    parse_layout,
     resolve_model,
-    run_json_subprocess,
     save_clips,
     select_clips,
 )
+from loadtest.phases import effective_settings, limit_round, run_baselines, run_engine
 from loadtest.report import (
     analyse,
     combine_rounds,
@@ -70,115 +65,40 @@ from loadtest.service import (
     Server,
     all_at_once,
     closed_loop,
-    long_file_scenario,
     sequential,
     write_long_wav,
 )
+from loadtest.traffic import beside_long, long_alone, rss_during, write_long_flac
 
 
-def parse_engine_configs(spec: str) -> list[tuple[int, int, int, list[int]]]:
-    """``"2x1:4,8,16;2e1x1:8"`` -> [(engines, workers, threads, batches), ...]."""
-    out = []
-    for part in filter(None, (p.strip() for p in spec.split(";"))):
-        layout, batches = part.split(":")
-        out.append((*parse_layout(layout), [int(b) for b in batches.split(",")]))
-    return out
+async def _load_round(client: Client, args: argparse.Namespace, clips: list[Clip], pid: int,
+                      threads: int, texts: dict[str, str | None]) -> dict[str, Any]:
+    load = await closed_loop(client, clips, args.clients, args.warmup, args.duration, pid, threads)
+    results, counted = load.pop("_results"), load.pop("_counted")
+    compared = [r for r in results if r.ok and r.clip.id in texts]
+    load["transcripts_differing_from_wer_pass"] = sum(
+        1 for r in compared if (r.text or "").strip() != (texts[r.clip.id] or "").strip())
+    load["transcripts_compared"] = len(compared)
+    load["_latencies"] = [r.latency for r in counted]
+    load["_short"] = [r.latency for r in counted if r.clip.duration_s <= SHORT_CLIP_S]
+    await client.wait_idle(pid)
+    return load
 
 
-def effective_settings(env: dict[str, str]) -> dict[str, Any]:
-    """The service settings the server subprocess will see with ``env``."""
-    from app.config import Settings
-
-    saved = dict(os.environ)
-    os.environ.update(env)
-    try:
-        s = Settings()
-    finally:
-        os.environ.clear()
-        os.environ.update(saved)
-    return {"max_batch_size": s.batcher.max_batch_size, "max_wait_ms": s.batcher.max_wait_ms,
-            "duration_bucket_s": s.batcher.duration_bucket_s,
-            "engines": getattr(s.model, "engines", 0) or 1,
-            "num_workers": s.model.num_workers or cpu_count(), "cpu_threads": s.model.cpu_threads,
-            "torch_threads": s.model.torch_threads, "prep_workers": s.prep.workers or cpu_count(),
-            "default_beam_size": s.default_beam_size, "model": s.model.name}
-
-
-# ---- phases -----------------------------------------------------------------------------------
-def run_baselines(args: argparse.Namespace, work: Path, model: str) -> dict[str, Any]:
-    log(f"baselines: {args.baseline_modes} x {args.baseline_duration:.0f}s (subprocess)")
-    cmd = ["loadtest.offline", "baselines", "--clips", str(work / "clips.json"), "--model", model,
-           "--language", args.language, "--duration", str(args.baseline_duration),
-           "--modes", args.baseline_modes]
-    if args.wer_defaults:
-        cmd.append("--wer-defaults")
-    res = run_json_subprocess(cmd, child_env(not args.no_tcmalloc), work / "baselines.json",
-                              work / "offline.log", timeout=3600)
-    for k, m in res["modes"].items():
-        log(f"  ({k}) {m['throughput_x']}x realtime, {m['requests']} requests, "
-            f"peak RSS {m['peak_rss_mb']} MB")
-    return res
-
-
-def offline_engine(args: argparse.Namespace, work: Path, model: str, e: int, w: int, t: int,
-                   batches: list[int], out: str, *extra: str) -> dict[str, Any]:
-    """One ``loadtest.offline engine`` subprocess: this layout at these batch sizes."""
-    return run_json_subprocess(
-        ["loadtest.offline", "engine", "--clips", str(work / "clips.json"), "--model", model,
-         "--language", args.language, "--engines", str(e), "--workers", str(w),
-         "--threads", str(t), "--batches", ",".join(map(str, batches)),
-         "--min-seconds", str(args.engine_min_seconds), "--cache", str(work), *extra],
-        child_env(not args.no_tcmalloc), work / out, work / "offline.log", timeout=3600)
-
-
-def config_row(e: int, w: int, t: int, res: dict[str, Any], run: dict[str, Any]) -> dict[str, Any]:
-    """One measured engine configuration: its layout, window order and one batch size's run."""
-    return {"engines": e, "workers": w, "threads": t, "order": res["order"],
-            "windows": res["windows"], **run}
-
-
-def rerun_best(args: argparse.Namespace, work: Path, model: str, best: dict[str, Any],
-               what: str, out: str, *extra: str) -> dict[str, Any]:
-    """The sweep's best layout and batch size, measured again in its own subprocess."""
-    e, w, t, b = best["engines"], best["workers"], best["threads"], best["batch"]
-    log(f"engine limit {what}: {layout_name(e, w, t)}, batch {b} (subprocess)")
-    res = offline_engine(args, work, model, e, w, t, [b], out, *extra)
-    row = config_row(e, w, t, res, res["runs"][0])
-    log(f"  b{b}: {row['throughput_x']}x realtime")
-    return row
-
-
-def run_engine(args: argparse.Namespace, work: Path, model: str) -> dict[str, Any]:
-    configs = []
-    sequential = None
-    for i, (e, w, t, batches) in enumerate(parse_engine_configs(args.engine_configs)):
-        log(f"engine limit: {layout_name(e, w, t)}, batches {batches} (subprocess)")
-        res = offline_engine(args, work, model, e, w, t, batches, f"engine-{e}e{w}x{t}.json",
-                             "--texts", *(["--sequential-texts"] if i == 0 else []))
-        for r in res["runs"]:
-            log(f"  b{r['batch']}: {r['throughput_x']}x realtime, peak RSS {r['peak_rss_mb']} MB")
-            configs.append(config_row(e, w, t, res, r))
-        sequential = sequential or res.get("sequential")
-    best = max(configs, key=lambda c: c["throughput_x"]) if configs else None
-    arrival = None
-    if best and args.engine_arrival:
-        # The same best layout and batch, windows batched in corpus order instead of sorted by
-        # length: what an engine gets with no queue to group lengths from (context for the
-        # ratio; the check stays against the sorted best).
-        arrival = rerun_best(args, work, model, best, "in arrival order", "engine-arrival.json",
-                             "--order", "corpus")
-    return {"configs": configs, "best": best, "arrival": arrival, "sequential": sequential}
-
-
-def limit_round(args: argparse.Namespace, work: Path, model: str, best: dict[str, Any],
-                k: int) -> dict[str, Any]:
-    """The sweep's best engine configuration, measured again before service round ``k``."""
-    return rerun_best(args, work, model, best, f"before round {k + 1}", f"engine-round{k + 1}.json")
+def _combine(rounds: list[dict[str, Any]], key: str) -> dict[str, Any]:
+    loads = [r[key] for r in rounds]
+    lat = [x for ld in loads for x in ld.pop("_latencies")]
+    short = [x for ld in loads for x in ld.pop("_short")]
+    return combine_rounds(loads, lat, short)
 
 
 async def run_service(args: argparse.Namespace, work: Path, clips: list[Clip],
-                      long_files: list[tuple[Path, float]],
+                      long_file: tuple[Path, float] | None,
                       measure_limit: Callable[[int], dict[str, Any]] | None) -> dict[str, Any]:
+    """Idle latency, WER passes, load rounds and the long-upload scenarios on one server.
+
+    Clients send no language (what users send) unless they are the ``language=en`` comparison:
+    every load round runs both, back to back, after the engine limit is measured again."""
     env = dict(kv.split("=", 1) for kv in args.server_env)
     env.setdefault("BATCHSCRIBE_MODEL__NAME", args.model)
     settings = effective_settings(env)
@@ -186,77 +106,92 @@ async def run_service(args: argparse.Namespace, work: Path, clips: list[Clip],
     server = Server(work / "server", env=env, tcmalloc=not args.no_tcmalloc).start()
     out: dict[str, Any] = {"env": env, "settings": settings, "log": str(server.log_path)}
     short = [c for c in clips if c.duration_s <= SHORT_CLIP_S]
-    client = Client(server.url, clips, args.language or None)
+    client = Client(server.url, clips, None)  # no language: detected, as users send
+    client_en = Client(server.url, clips, "en")
     assert server.proc is not None
     pid = server.proc.pid
+    threads = settings["engines"] * settings["num_workers"]
+    skip = set(filter(None, args.skip.split(",")))
     try:
         out["rss_idle_mb"] = server.peak_rss_mb()
         await sequential(client, short, 3)  # warm-up
-        log(f"service: idle latency, {args.idle_requests} short clips one at a time")
+        log(f"service: idle latency, {args.idle_requests} short clips one at a time, no language")
         idle = await sequential(client, short, args.idle_requests)
         out["idle"] = {"latency_short": short_latency(idle), "errors": error_kinds(idle)}
         log(f"  p50 {out['idle']['latency_short']['p50_s']}s, p95 "
             f"{out['idle']['latency_short']['p95_s']}s")
 
-        skip = set(filter(None, args.skip.split(",")))
         texts: dict[str, str | None] = {}
+        texts_en: dict[str, str | None] = {}
         if "wer" not in skip:
-            log(f"service: WER pass, {len(clips)} clips, {args.clients} at a time")
-            wer_pass = await all_at_once(client, clips, args.clients)
-            texts = {r.clip.id: r.text for r in wer_pass if r.ok}
-            out["wer_pass"] = {"texts": texts, "errors": error_kinds(wer_pass)}
-            await client.wait_idle(pid)
+            for name, c, into in (("wer_pass", client, texts), ("wer_pass_en", client_en, texts_en)):
+                log(f"service: {name}, {len(clips)} clips, {args.clients} at a time")
+                passed = await all_at_once(c, clips, args.clients)
+                into.update({r.clip.id: r.text for r in passed if r.ok})
+                out[name] = {"texts": dict(into), "errors": error_kinds(passed),
+                             "languages": {r.clip.id: r.language for r in passed if r.ok}}
+                await c.wait_idle(pid)
 
         if "load" not in skip:
             rounds: list[dict[str, Any]] = []
-            latencies: list[float] = []
-            short_lat: list[float] = []
             for k in range(args.rounds):
                 # The limit re-measured right before each round (the server idle meanwhile):
                 # a drift of the VM's speed then moves both sides of the ratio.
                 limit = await asyncio.to_thread(measure_limit, k) if measure_limit else None
-                log(f"service round {k + 1}/{args.rounds}: {args.clients} clients, "
-                    f"{args.warmup:.0f}s warm-up + {args.duration:.0f}s")
-                load = await closed_loop(client, clips, args.clients, args.warmup,
-                                         args.duration, pid,
-                                         settings["engines"] * settings["num_workers"])
-                results, counted = load.pop("_results"), load.pop("_counted")
-                out["peak_rss_load_mb"] = max(out.get("peak_rss_load_mb", 0.0),
-                                              server.peak_rss_mb())
-                compared = [r for r in results if r.ok and r.clip.id in texts]
-                load["transcripts_differing_from_wer_pass"] = sum(
-                    1 for r in compared
-                    if (r.text or "").strip() != (texts[r.clip.id] or "").strip())
-                load["transcripts_compared"] = len(compared)
-                latencies += [r.latency for r in counted]
-                short_lat += [r.latency for r in counted if r.clip.duration_s <= SHORT_CLIP_S]
-                rounds.append({"engine_limit": limit, "load": load})
-                log(f"  {load['throughput_x']}x realtime, short p95 "
-                    f"{load['latency_short']['p95_s']}s, batches "
-                    f"{load['batch_size']['distribution']}, CPU {load['cpu']}")
-                await client.wait_idle(pid)
-            out["rounds"] = rounds
-            out["load"] = combine_rounds([r["load"] for r in rounds], latencies, short_lat)
+                rnd: dict[str, Any] = {"engine_limit": limit}
+                for key, c, ref in (("load_en", client_en, texts_en), ("load", client, texts)):
+                    log(f"service round {k + 1}/{args.rounds} ({key}): {args.clients} clients, "
+                        f"{args.warmup:.0f}s warm-up + {args.duration:.0f}s")
+                    rnd[key] = await _load_round(c, args, clips, pid, threads, ref)
+                    log(f"  {rnd[key]['throughput_x']}x realtime, short p95 "
+                        f"{rnd[key]['latency_short']['p95_s']}s, batches "
+                        f"{rnd[key]['batch_size']['distribution']}, CPU {rnd[key]['cpu']}")
+                out["peak_rss_load_mb"] = server.peak_rss_mb()
+                rounds.append(rnd)
+            out["load"] = _combine(rounds, "load")
+            out["load_en"] = _combine(rounds, "load_en")
+            out["rounds"] = [{"engine_limit": r["engine_limit"], "load": r["load"],
+                              "load_en": r["load_en"]} for r in rounds]
 
-        for k, (long_path, long_audio_s) in enumerate(long_files):
-            log(f"service: short clips beside a {long_audio_s / 60:.1f} min file, "
-                f">= {args.long_duration:.0f}s")
-            scenario = await long_file_scenario(
-                client, long_path, long_audio_s, short, args.idle_requests, args.long_duration,
-                args.long_short_clients)
-            # The first length is the issue's scenario (the check); others are extra rows.
-            if k == 0:
-                out["long"] = scenario
-            else:
-                out.setdefault("long_extra", []).append(scenario)
-            lat = scenario["latency_short"]
-            log(f"  short clips beside it: n {lat['n']}, p50 {lat['p50_s']}s, p95 {lat['p95_s']}s, "
-                f"batches {scenario['batch_size']['distribution']}")
+        if long_file is not None:
+            path, audio_s = long_file
+            log(f"service: a {audio_s / 60:.0f} min upload alone")
+            out["long_alone"] = await long_alone(client, path, audio_s)
+            log(f"  {out['long_alone']['throughput_x']}x realtime from its POST")
+            await client.wait_idle(pid)
+            log(f"service: short clips one at a time from a {audio_s / 60:.0f} min upload's POST, "
+                f">= {args.long_min_requests} requests and >= {args.long_duration:.0f}s")
+            out["long"] = await beside_long(client, path, audio_s, short,
+                                            args.long_min_requests, args.long_duration)
+            lat = out["long"]["latency_short"]
+            log(f"  n {lat['n']}, p50 {lat['p50_s']}s, p95 {lat['p95_s']}s")
             await client.wait_idle(pid)
         out["peak_rss_mb"] = server.peak_rss_mb()
     finally:
         await client.close()
+        await client_en.close()
         server.stop()
+    return out
+
+
+async def run_rss(args: argparse.Namespace, work: Path, clips: list[Clip],
+                  path: Path, audio_s: float) -> dict[str, Any]:
+    """A fresh server: idle peak RSS, then RSS while a multi-hour upload is transcribed."""
+    env = dict(kv.split("=", 1) for kv in args.server_env)
+    env.setdefault("BATCHSCRIBE_MODEL__NAME", args.model)
+    env["BATCHSCRIBE_LIMITS__MAX_UPLOAD_BYTES"] = str(max(path.stat().st_size * 2, 2**29))
+    log(f"rss: a fresh server, then a {audio_s / 3600:.1f} h upload ({path.stat().st_size >> 20}"
+        " MiB FLAC)")
+    server = Server(work / "server-rss", env=env, tcmalloc=not args.no_tcmalloc).start()
+    client = Client(server.url, clips, None)
+    try:
+        short = [c for c in clips if c.duration_s <= SHORT_CLIP_S][:5]
+        out = await rss_during(server, client, path, audio_s, short)
+    finally:
+        await client.close()
+        server.stop()
+    log(f"  idle peak {out['idle_peak_rss_mb']} MB, peak {out['peak_rss_mb']} MB "
+        f"(+{out['growth_mb']} MB), {out['throughput_x']}x realtime")
     return out
 
 
@@ -303,23 +238,27 @@ def main(argv: list[str] | None = None) -> int:
                         "~12 s pass is noisy, and the best of several noisy runs is biased up)")
     p.add_argument("--engine-arrival", action=argparse.BooleanOptionalAction, default=True,
                    help="also time the best engine config on windows in arrival order")
-    p.add_argument("--idle-requests", type=int, default=30,
-                   help="short clips timed on the idle server (and at least as many beside the "
-                        "long file)")
-    p.add_argument("--long-minutes", default="10",
-                   help="length of the long file; a comma list runs one scenario per length "
-                        "(the first is the issue's check), e.g. 10,30")
+    p.add_argument("--idle-requests", type=int, default=100,
+                   help="short clips timed one at a time on the idle server (no language)")
+    p.add_argument("--long-minutes", type=float, default=20.0,
+                   help="the long upload: alone, then beside short clips counted from its POST")
+    p.add_argument("--long-min-requests", type=int, default=100,
+                   help="short requests beside the long upload, at least")
     p.add_argument("--long-duration", type=float, default=60.0,
-                   help="seconds of short clips beside the long file")
-    p.add_argument("--long-short-clients", type=int, default=1)
+                   help="seconds of short clips beside the long upload, at least")
+    p.add_argument("--rss-hours", type=float, default=4.0,
+                   help="the upload of the memory phase (a fresh server); 0 skips it")
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra service settings, e.g. BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE=8")
     p.add_argument("--model", default="whisper-base")
-    p.add_argument("--language", default="en", help="sent with every request; '' to detect")
+    p.add_argument("--language", default="en",
+                   help="the language of the offline phases (baselines, engine limit); the "
+                        "service phases send none, plus language=en in every load round")
     p.add_argument("--corpus", type=Path, default=None)
     p.add_argument("--clips", type=int, default=None, help="use a spread subset of N clips")
     p.add_argument("--skip", default="",
-                   help="comma list of phases to leave out: baselines,engine,service,wer,load,long")
+                   help="comma list of phases to leave out: "
+                        "baselines,engine,service,wer,load,long,rss")
     p.add_argument("--no-tcmalloc", action="store_true", help="every phase on glibc malloc")
     p.add_argument("--workdir", type=Path, default=None, help="default: a temp dir, removed")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/bench.json"))
@@ -351,15 +290,18 @@ def main(argv: list[str] | None = None) -> int:
         if "engine" not in skip:
             res["engine"] = run_engine(args, work, model)
         if "service" not in skip:
-            long_files: list[tuple[Path, float]] = []
+            long_file: tuple[Path, float] | None = None
             if "long" not in skip:
-                for minutes in (float(m) for m in args.long_minutes.split(",")):
-                    path = work / f"long-{minutes:g}min.wav"
-                    long_files.append((path, write_long_wav(clips, path, minutes * 60)))
+                path = work / f"long-{args.long_minutes:g}min.wav"
+                long_file = (path, write_long_wav(clips, path, args.long_minutes * 60))
             best = (res.get("engine") or {}).get("best")
             res["service"] = asyncio.run(run_service(
-                args, work, clips, long_files,
+                args, work, clips, long_file,
                 partial(limit_round, args, work, model, best) if best else None))
+        if "rss" not in skip and args.rss_hours > 0:
+            path = work / f"long-{args.rss_hours:g}h.flac"
+            seconds = write_long_flac(clips, path, args.rss_hours * 3600)
+            res["rss"] = asyncio.run(run_rss(args, work, clips, path, seconds))
         analyse(res, clips)
     finally:
         res["meta"]["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")

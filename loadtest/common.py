@@ -209,7 +209,8 @@ def machine_info() -> dict[str, Any]:
             versions[pkg] = None
     return {
         "cpu": cpu, "cores": cpu_count(), "memory_gb": mem_gb, "kernel": platform.release(),
-        "python": platform.python_version(), "versions": versions, "git": git_revision(),
+        "python": platform.python_version(), "versions": versions, "git": (rev := git_revision()),
+        "git_clean": rev is not None and not rev.endswith("-dirty"),
         "load_average_at_start": [round(x, 2) for x in os.getloadavg()],
         "tcmalloc": tcmalloc_path(),
     }

@@ -107,6 +107,7 @@ class Result:
     text: str | None = None
     error: str | None = None
     words: int | None = None  # word timestamps in the result (when asked for)
+    language: str | None = None  # the transcript's (detected when none was sent)
 
     @property
     def latency(self) -> float:
@@ -162,7 +163,8 @@ class Client:
             return Result(clip, sent, done, status, error=str(job.get("error")))
         words = job["result"].get("words")
         return Result(clip, sent, done, 200, text=job["result"]["text"],
-                      words=None if words is None else len(words))
+                      words=None if words is None else len(words),
+                      language=job["result"].get("language"))
 
     async def submit(self, name: str, blob: bytes) -> str:
         """An asynchronous job (202); its id."""
@@ -275,89 +277,6 @@ async def all_at_once(client: Client, clips: Sequence[Clip], concurrency: int) -
             return await client.transcribe(c)
 
     return list(await asyncio.gather(*(one(c) for c in clips)))
-
-
-async def long_file_scenario(client: Client, long_path: Path, long_audio_s: float,
-                             short: Sequence[Clip], min_requests: int, duration_s: float,
-                             short_clients: int = 1) -> dict[str, Any]:
-    """Short clips sent back to back while a long upload is always being transcribed.
-
-    The long file is submitted asynchronously (202 + polling) and resubmitted whenever it
-    finishes; a short request counts only if a long job was running (decoded, windows queued)
-    both when it was sent and when it finished, and it was the same long job.
-    """
-    blob = long_path.read_bytes()
-    stop = asyncio.Event()
-    running = asyncio.Event()
-    state = {"gen": 0, "busy": False}
-    long_jobs: list[dict[str, Any]] = []
-    current: dict[str, str] = {}
-
-    async def keep_long() -> None:
-        while not stop.is_set():
-            job_id = await client.submit(long_path.name, blob)
-            current["id"] = job_id
-            submitted = time.monotonic()
-            job: dict[str, Any] = {}
-            while True:
-                job = await client.job(job_id)
-                if job["status"] in TERMINAL:
-                    break
-                if not state["busy"] and job["progress"].get("windows_total"):
-                    state["gen"] += 1
-                    state["busy"] = True
-                    running.set()
-                if stop.is_set():
-                    await client.cancel(job_id)
-                await asyncio.sleep(0.25)
-            state["busy"] = False
-            long_jobs.append({"status": job["status"], "wall_s": round(time.monotonic() - submitted, 3),
-                              "processing_s": job.get("processing_s"), "rtf": job.get("rtf"),
-                              "windows": job["progress"].get("windows_total")})
-
-    counted: list[Result] = []
-    uncounted = 0
-    cycle = Cycle(short)
-
-    async def short_client() -> None:
-        nonlocal uncounted
-        await running.wait()
-        t0 = time.monotonic()
-        while time.monotonic() - t0 < 3 * duration_s and (
-                time.monotonic() - t0 < duration_s or len(counted) < min_requests):
-            gen, busy = state["gen"], state["busy"]
-            r = await client.transcribe(cycle.next())
-            if busy and state["busy"] and gen == state["gen"] and r.ok:
-                counted.append(r)
-            else:
-                uncounted += 1
-
-    long_task = asyncio.create_task(keep_long())
-    try:
-        waiter = asyncio.create_task(running.wait())
-        await asyncio.wait({long_task, waiter}, timeout=600, return_when=asyncio.FIRST_COMPLETED)
-        waiter.cancel()
-        if long_task.done():  # the long upload failed before it ever ran: surface why
-            long_task.result()
-        if not running.is_set():
-            raise RuntimeError("the long file did not start within 600 s")
-        before = await client.metrics()
-        await asyncio.gather(*(short_client() for _ in range(short_clients)))
-        after = await client.metrics()
-    finally:
-        stop.set()
-        await long_task
-    finished = [j for j in long_jobs if j["status"] == "done"]
-    return {
-        "long_audio_s": round(long_audio_s, 3), "short_clients": short_clients,
-        "latency_short": latency_summary([r.latency for r in counted]),
-        "short_requests_not_counted": uncounted,
-        "batch_size": histogram_delta(before, after, "batchscribe_batch_size_windows"),
-        "queue_wait": histogram_delta(before, after, "batchscribe_queue_wait_seconds"),
-        "long_jobs": long_jobs,
-        "long_rtf_mean": (round(sum(j["rtf"] or 0 for j in finished) / len(finished), 3)
-                          if finished else None),
-    }
 
 
 def write_long_wav(clips: Sequence[Clip], path: Path, min_s: float, gap_s: float = 0.8) -> float:
