@@ -14,6 +14,8 @@ class Segment(BaseModel):
     start: float = Field(description="Seconds from the start of the upload.")
     end: float
     text: str
+    language: str | None = Field(None, description="The window's language (they differ only "
+                                 "with language_detection=per_window).")
     avg_logprob: float | None = None
     no_speech_prob: float | None = None
     compression_ratio: float | None = None

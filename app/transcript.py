@@ -39,7 +39,8 @@ def window_segments(window: Window, result: WindowResult) -> list[dict[str, Any]
     Every segment of a window shares its decode's avg_logprob, no_speech_prob,
     compression_ratio and temperature, as in openai-whisper where they are per 30 s decode.
     """
-    common = {"avg_logprob": result.avg_logprob, "no_speech_prob": result.no_speech_prob,
+    common = {"language": result.language,
+              "avg_logprob": result.avg_logprob, "no_speech_prob": result.no_speech_prob,
               "compression_ratio": result.compression_ratio, "temperature": result.temperature,
               "seek": round(window.start * 100)}
     if not result.words:

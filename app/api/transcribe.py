@@ -40,7 +40,8 @@ Spool = Callable[[UploadFile, Path, int], int]
 
 def decode_options(st: AppState, language: str | None, task: str, beam_size: int | None,
                    initial_prompt: str | None, temperature: float = 0.0,
-                   word_timestamps: bool = False, hotwords: str | None = None) -> JobOptions:
+                   word_timestamps: bool = False, hotwords: str | None = None,
+                   language_detection: str = "per_upload") -> JobOptions:
     lang = (language or "").strip().lower() or None
     if lang is not None and lang not in st.languages:
         raise BadRequest(f"unknown language {language!r}; use an ISO 639-1 code such as 'en'",
@@ -51,6 +52,7 @@ def decode_options(st: AppState, language: str | None, task: str, beam_size: int
         initial_prompt=(initial_prompt or "").strip() or None,
         hotwords=" ".join((hotwords or "").split()) or None,
         temperature=float(temperature), word_timestamps=word_timestamps,
+        language_detection=language_detection,  # type: ignore[arg-type]
     )
 
 
@@ -97,6 +99,10 @@ async def transcribe(
     request: Request,
     file: Annotated[UploadFile, File(description="Audio: wav, flac, mp3, ogg, m4a, webm.")],
     language: Annotated[str | None, Form(description="ISO 639-1; detected when absent.")] = None,
+    language_detection: Annotated[Literal["per_upload", "per_window"], Form(
+        description="Without a language: per_upload (the first speech decides for the whole "
+        "upload) or per_window (each <= 30 s window its own: recordings that switch language; "
+        "each segment carries its language).")] = "per_upload",
     task: Annotated[Literal["transcribe", "translate"], Form()] = "transcribe",
     beam_size: Annotated[int | None, Form(ge=1, le=10)] = None,
     initial_prompt: Annotated[str | None, Form(max_length=1000)] = None,
@@ -111,7 +117,7 @@ async def transcribe(
     who: Caller = Depends(caller),
 ) -> JSONResponse:
     options = decode_options(st, language, task, beam_size, initial_prompt, temperature,
-                             word_timestamps, hotwords)
+                             word_timestamps, hotwords, language_detection)
     job_id = await accept_upload(st, file, options, who, callback_url)
     if wait:
         # On timeout the job keeps running; the client gets 202 and polls status_url.
