@@ -140,6 +140,10 @@ def test_keys_are_per_caller(tmp_path: Path) -> None:
             a1, b1, a2 = post(alice, "k"), post(bob, "k"), post(alice, "k")
             assert a1.json()["id"] == a2.json()["id"] != b1.json()["id"]
             assert "Idempotent-Replayed" not in b1.headers
+            # bob cannot see alice's job through the batch route either
+            ids = f"{a1.json()['id']},{b1.json()['id']}"
+            assert [j["id"] for j in bob.get("/jobs", params={"ids": ids}).json()["jobs"]] == [
+                b1.json()["id"]]
             assert httpx.post(url + "/transcribe", headers={"Idempotency-Key": "k"}).status_code == 401
 
 
@@ -203,6 +207,19 @@ def test_v1_replays_and_keeps_its_job_for_the_retry(app_url: Any) -> None:
         assert a.headers["X-Batchscribe-Job-Id"] == b.headers["X-Batchscribe-Job-Id"]
         assert b.headers["Idempotent-Replayed"] == "true" and a.json() == b.json()
         assert len(c.get("/jobs").json()["jobs"]) == 1
+
+
+def test_jobs_by_ids_in_one_request(app_url: Any) -> None:
+    url, _, _ = app_url
+    with httpx.Client(base_url=url, timeout=60) as c:
+        ids = [post(c, None).json()["id"] for _ in range(3)]
+        r = c.get("/jobs", params={"ids": f"{ids[2]},nope,{ids[0]},{ids[2]}"})
+        assert r.status_code == 200
+        assert [j["id"] for j in r.json()["jobs"]] == [ids[2], ids[0]]  # asked order, no unknown
+        assert float(r.headers["X-Backlog-Seconds"]) >= 0
+        assert float(r.headers["X-Backlog-Limit-Seconds"]) == 6 * 3600
+        too_many = c.get("/jobs", params={"ids": ",".join(f"j{k}" for k in range(501))})
+        assert too_many.status_code == 400 and too_many.headers["x-should-retry"] == "false"
 
 
 # ---- end to end, the real model -----------------------------------------------------------

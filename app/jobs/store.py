@@ -165,6 +165,14 @@ class JobStore:
         r = await self.run(lambda c: c.execute(GET, {"job_id": job_id}).first())
         return _row(r) if r else None
 
+    async def get_many(self, ids: builtins.list[str], owner: str | None) -> builtins.list[JobRow]:
+        """The caller's jobs among ``ids`` (one query; others' and unknown ids are left out)."""
+        if not ids:
+            return []
+        q = jobs.select().where(jobs.c.id.in_(ids),
+                                jobs.c.owner.is_(None) if owner is None else jobs.c.owner == owner)
+        return await self.run(lambda c: [_row(r) for r in c.execute(q)])
+
     async def by_idempotency_key(self, digest: str, since: float) -> JobRow | None:
         """The job created under this key digest at or after ``since``. A holder created before
         gives the key up in the same transaction (its row stays), so the key can be used again."""
