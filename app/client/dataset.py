@@ -6,7 +6,7 @@ Three kinds of task share one event loop:
   sized from the service's backlog, 429s and Retry-After); an upload task per row posts it with
   an Idempotency-Key (run id, row, attempt) and records the job in the checkpoint;
 * one *poller* per server follows all of that server's jobs with ``GET /jobs?ids=...`` (one
-  request per 500 jobs, every 0.5 s while jobs finish, backing off to 5 s while none do), so
+  request per 100 jobs, every 0.5 s while jobs finish, backing off to 5 s while none do), so
   thousands in flight cost a few requests, not a connection each;
 * finished jobs become output rows, written and recorded by the checkpoint (app/client/
   checkpoint.py) on its own thread, one fsync'ed batch per poll.
@@ -40,7 +40,7 @@ from app.client.rows import Extras, output_row
 
 TERMINAL = ("done", "failed", "cancelled")
 POLL_MIN_S, POLL_MAX_S = 0.5, 5.0
-MAX_IDS = 500  # the service's GET /jobs?ids= bound
+MAX_IDS = 100  # the service's GET /jobs?ids= bound
 LOST_AFTER = 3  # polls in a row without a job before it counts as gone (then resubmitted)
 MAX_SERVER_ERRORS = 5  # 5xx answers to one row's upload before the row fails
 
