@@ -129,6 +129,7 @@ def test_flow_fills_to_the_target_and_backs_off() -> None:
     for t in range(8):  # 8 files of 60 s in 8 s: 60x
         f.finished(60.0, now=float(t))
     assert f.target(now=8.0) == pytest.approx(60 * 20, rel=0.2)
+    assert f.poll_interval(now=8.0) == pytest.approx(10.0 / 60 / 10, rel=0.2)  # backlog 10 s
     f.observe(5000.0, 2000.0, now=8.0)
     assert f.limit_s == 2000 and f.target(now=8.0) == 1000  # at most half the limit
     assert f.cap == 63  # well over the target: shrinks

@@ -6,8 +6,9 @@ Three kinds of task share one event loop:
   sized from the service's backlog, 429s and Retry-After); an upload task per row posts it with
   an Idempotency-Key (run id, row, attempt) and records the job in the checkpoint;
 * one *poller* per server follows all of that server's jobs with ``GET /jobs?ids=...`` (one
-  request per 100 jobs, every 0.5 s while jobs finish, backing off to 5 s while none do), so
-  thousands in flight cost a few requests, not a connection each;
+  request per 100 jobs, every tenth of the queued work's duration, 0.5-5 s; before the speed
+  is known, 0.5 s while jobs finish, backing off to 5 s while none do), so thousands in flight
+  cost a few requests, not a connection each;
 * finished jobs become output rows, written and recorded by the checkpoint (app/client/
   checkpoint.py) on its own thread, one fsync'ed batch per poll.
 
@@ -188,7 +189,7 @@ class Run:
             return
         if r.status_code == 429:
             err = _error(r)
-            server.flow.overloaded(float(r.headers.get("Retry-After", "5")), err.get("limit_s"))
+            server.flow.overloaded(_seconds(r.headers.get("Retry-After")), err.get("limit_s"))
             self._requeue(server, row.index)
         elif r.status_code in (401, 403):
             self.fatal = f"{server.url}: {_message(r)}"
@@ -245,7 +246,11 @@ class Run:
                 except (httpx.TransportError, _Unavailable) as exc:
                     self._unreachable(server, exc)
                     interval = POLL_MAX_S
-            interval = POLL_MIN_S if ended else min(POLL_MAX_S, interval * 1.5)
+            ideal = server.flow.poll_interval()
+            if ideal is not None and not server.flow.failures:
+                interval = min(POLL_MAX_S, max(POLL_MIN_S, ideal))
+            else:
+                interval = POLL_MIN_S if ended else min(POLL_MAX_S, interval * 1.5)
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(server.wake.wait(), interval)
 
@@ -261,6 +266,7 @@ class Run:
             if "X-Backlog-Seconds" in r.headers:
                 limit = r.headers.get("X-Backlog-Limit-Seconds")
                 server.flow.observe(float(r.headers["X-Backlog-Seconds"]), float(limit) if limit else None)
+                self.changed.set()  # the cap may have grown: the feeder looks again
             jobs.update({j["id"]: j for j in r.json()["jobs"]})
         done, ended = [], 0
         for job_id in ids:
@@ -312,6 +318,14 @@ class Run:
 
 class _Unavailable(Exception):
     pass
+
+
+def _seconds(retry_after: str | None, default: float = 5.0) -> float:
+    """Retry-After in seconds (the service sends seconds; an HTTP date or junk: the default)."""
+    try:
+        return max(0.0, float(retry_after)) if retry_after else default
+    except ValueError:
+        return default
 
 
 def _error(r: httpx.Response) -> dict[str, Any]:

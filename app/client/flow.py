@@ -63,6 +63,15 @@ class Flow:
         t = max(self.min_backlog_s, speed * self.queue_s if speed else 0.0)
         return min(t, self.limit_s / 2) if self.limit_s else t
 
+    def poll_interval(self, now: float | None = None) -> float | None:
+        """How often to look for finished jobs: a tenth of the queued work's duration (with 20 s
+        queued, every 2 s: refills stay far ahead of the engine, and a poll of hundreds of jobs
+        costs the service CPU its engine shares). None until the speed is known."""
+        speed = self.throughput(now)
+        if not speed or self.backlog_s is None:
+            return None
+        return self.backlog_s / speed / 10
+
     # ---- what the service said ------------------------------------------------------------
     def finished(self, audio_s: float, now: float | None = None) -> None:
         self._done.append((now if now is not None else time.monotonic(), audio_s))
