@@ -65,8 +65,10 @@ class Flow:
 
     def poll_interval(self, now: float | None = None) -> float | None:
         """How often to look for finished jobs: a tenth of the queued work's duration (with 20 s
-        queued, every 2 s: refills stay far ahead of the engine, and a poll of hundreds of jobs
-        costs the service CPU its engine shares). None until the speed is known."""
+        queued, every 2 s: refills stay far ahead of the engine). Polling costs CPU the engine
+        shares: GET /jobs?ids= of 100 finished jobs took ~7 ms of CPU (service and client in one
+        process, null engine), so 256 in flight polled every 0.5 s would take ~4 % of a core.
+        None until the speed is known."""
         speed = self.throughput(now)
         if not speed or self.backlog_s is None:
             return None
