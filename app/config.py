@@ -257,6 +257,13 @@ class StorageSettings(BaseModel):
     s3_endpoint_url: str = Field(
         "", description="S3-compatible endpoint (MinIO, Ceph, R2...). Empty: AWS."
     )
+    idempotency_window_s: float = Field(
+        24 * 3600.0, ge=60, le=30 * 24 * 3600,
+        description="A POST with an Idempotency-Key the same caller used this recently answers "
+        "with that first job instead of making a new one (also bounded by result_ttl_s: the key "
+        "goes with its job's row). 24 h, as Stripe and the IETF draft suggest: long enough for "
+        "any client retry or a resumed `batchscribe dataset` run.",
+    )
 
     def replica(self) -> str:
         return self.replica_id or f"{socket.gethostname()}-{os.getpid()}"

@@ -20,6 +20,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api import asr, events, health, jobs, openai, status, transcribe, web
+from app.api.idempotency import install_idempotency
 from app.api.limits import install_limits
 from app.audio.vad import make_vad
 from app.batching.batcher import Batcher
@@ -200,6 +201,7 @@ def create_app(settings: Settings | None = None,
     # Added innermost first: http_metrics sees every answer, keys are checked before any body
     # byte is read, and the size limit counts bytes as they stream.
     install_limits(app, settings.limits)
+    install_idempotency(app)  # between the two: the owner is known, a replay skips the backlog gate
     install_security(app, settings.security)
 
     app.add_middleware(HttpMetrics)

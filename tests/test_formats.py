@@ -10,7 +10,7 @@ import srt
 import webvtt
 
 from app.api.openai import verbose_json
-from app.cli import sse_events
+from app.client.transcribe import sse_events
 from app.engine.words import first_sound, sound_starts
 from app.formats import render
 from app.transcript import split_sentences, window_segments

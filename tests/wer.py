@@ -1,8 +1,8 @@
-"""Word error rate for the tests: the bench's own scorer (loadtest.scoring), as a fraction."""
+"""Word error rate for the tests: the project's one scorer (app.scoring), as a fraction."""
 
 from __future__ import annotations
 
-from loadtest.scoring import normalise, wer_percent
+from app.scoring import normalise, wer_percent
 
 __all__ = ["normalise", "wer"]
 

@@ -6,10 +6,11 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Form, Query, Request
+from fastapi.responses import JSONResponse
 
 from app.errors import NotFound, NotReady
 from app.formats import LINE_CHARS, CueOptions
-from app.jobs.store import JobRow
+from app.jobs.store import TERMINAL, JobRow
 from app.schemas import Job, Progress, Transcription, WebhookState
 from app.state import AppState
 
@@ -93,3 +94,21 @@ def cue_form(
     max_cue_s: Annotated[float | None, Form(ge=1, le=600, description=CUE_S_HELP)] = None,
 ) -> CueOptions:
     return CueOptions(max_line_width, max_line_count, max_cue_s)
+
+
+async def job_answer(st: AppState, job_id: str, wait: bool, replayed: bool = False) -> JSONResponse:
+    """POST /transcribe's answer for a committed job: 202 with the job, or with ``wait`` the job
+    once it ends (200), or as it stands when the wait times out (202). ``replayed``: the job was
+    made by an earlier request with the same Idempotency-Key (app/api/idempotency.py)."""
+    if wait:
+        # On timeout the job keeps running; the client gets 202 and polls status_url.
+        await st.runner.wait(job_id, st.settings.limits.sync_timeout_s)
+    row = await st.store.get(job_id)
+    if row is None:  # expired between its commit (or lookup) and now
+        raise NotFound(f"no job {job_id!r}", job_id=job_id)
+    job = to_job(row, st)
+    headers = {"Location": job.status_url}
+    if replayed:
+        headers["Idempotent-Replayed"] = "true"
+    code = 200 if wait and row.status in TERMINAL else 202
+    return JSONResponse(job.model_dump(mode="json"), status_code=code, headers=headers)

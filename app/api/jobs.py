@@ -8,7 +8,8 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from app.api.deps import Caller, caller, cue_query, load_job, state, to_job
-from app.errors import Conflict
+from app.api.limits import GATE_MAX_AGE_S
+from app.errors import BadRequest, Conflict
 from app.formats import MEDIA_TYPES, CueOptions, Format, render
 from app.schemas import ErrorBody, Job, JobList
 from app.state import AppState
@@ -17,12 +18,41 @@ router = APIRouter(tags=["jobs"])
 NOT_FOUND: dict[int | str, dict[str, object]] = {404: {"model": ErrorBody}}
 
 
-@router.get("/jobs", response_model=JobList)
+# Ids per request: 100 ids (24 characters and a comma each) keep even a maliciously encoded URL
+# (12 bytes per character at worst) under the HTTP parser's ~64 KiB request line, past which
+# the server answers a plain-text 400 before the app runs.
+MAX_IDS = 100
+ID_CHARS = 24
+
+
+@router.get("/jobs", response_model=JobList, responses={400: {"model": ErrorBody}})
 async def list_jobs(
+    response: Response,
     limit: Annotated[int, Query(ge=1, le=1000)] = 100,
+    ids: Annotated[str | None, Query(
+        max_length=MAX_IDS * (ID_CHARS + 1), pattern=r"^[A-Za-z0-9_,-]*$",
+        description=f"Comma-separated job ids (at most {MAX_IDS}): these of your jobs, in this "
+        "order, unknown ones left out, instead of the newest. A client following many jobs polls "
+        "them in one request rather than holding a connection per job.",
+    )] = None,
     st: AppState = Depends(state), who: Caller = Depends(caller),
 ) -> JobList:
-    return JobList(jobs=[to_job(r, st) for r in await st.store.list(who.owner, limit)])
+    """Your jobs, newest first (or the ``ids`` asked for). The headers ``X-Backlog-Seconds`` and
+    ``X-Backlog-Limit-Seconds`` give the queued audio and the bound past which uploads get 429:
+    what a batch client sizes its uploads in flight by."""
+    if ids is None:
+        rows = await st.store.list(who.owner, limit)
+    else:
+        wanted = list(dict.fromkeys(i for i in (p.strip() for p in ids.split(",")) if i))
+        if len(wanted) > MAX_IDS:
+            raise BadRequest(f"at most {MAX_IDS} ids per request", field="ids",
+                             headers={"x-should-retry": "false"})
+        found = {r.id: r for r in await st.store.get_many(wanted, who.owner)}
+        rows = [found[i] for i in wanted if i in found]
+    backlog = await st.runner.backlog_seconds(GATE_MAX_AGE_S)
+    response.headers["X-Backlog-Seconds"] = f"{backlog:.1f}"
+    response.headers["X-Backlog-Limit-Seconds"] = f"{st.settings.limits.max_backlog_s:.0f}"
+    return JobList(jobs=[to_job(r, st) for r in rows])
 
 
 @router.get("/jobs/{job_id}", response_model=Job, responses=NOT_FOUND)

@@ -28,7 +28,7 @@ from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
-from app.api import openai_stream
+from app.api import idempotency, openai_stream
 from app.api.deps import Caller, caller, cue_form, ready_state, state
 from app.api.transcribe import HOTWORDS_HELP, accept_upload, decode_options
 from app.errors import BadRequest, ServiceError, openai_body
@@ -191,11 +191,12 @@ async def transcriptions(
                                  "windows finish, then transcript.text.done (json/text).")] = False,
     hotwords: Annotated[str | None, Form(max_length=1000, description=HOTWORDS_HELP)] = None,
     cue: CueOptions = Depends(cue_form),
+    idempotency_key: idempotency.KeyHeader = None,
     st: AppState = Depends(ready_state), who: Caller = Depends(caller),
 ) -> Response:
     gran: set[str] = set(granularities or []) | set(granularities_plain or [])
     return await _run(request, st, who, file, model, "transcribe", language, prompt,
-                      response_format, temperature, gran, cue, stream, hotwords)
+                      response_format, temperature, gran, cue, stream, hotwords, idempotency_key)
 
 
 @router.post("/audio/translations", response_model=None, responses=AUDIO_RESPONSES)
@@ -203,17 +204,20 @@ async def translations(
     request: Request, file: FileField, model: ModelField, prompt: PromptField = None,
     response_format: FormatField = "json", temperature: TemperatureField = 0.0,
     cue: CueOptions = Depends(cue_form),
+    idempotency_key: idempotency.KeyHeader = None,
     st: AppState = Depends(ready_state), who: Caller = Depends(caller),
 ) -> Response:
     """Speech in any language to English text (Whisper's translate task)."""
     return await _run(request, st, who, file, model, "translate", None, prompt, response_format,
-                      temperature, set(), cue)
+                      temperature, set(), cue, raw_key=idempotency_key)
 
 
 async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, model: str,
                task: str, language: str | None, prompt: str | None, fmt: str,
                temperature: float, gran: set[str], cue: CueOptions | None = None,
-               stream: bool = False, hotwords: str | None = None) -> Response:
+               stream: bool = False, hotwords: str | None = None,
+               raw_key: str | None = None) -> Response:
+    key = idempotency.parse_key(raw_key)
     check_model(st, model)
     if "word" in gran and fmt != "verbose_json":
         raise BadRequest("timestamp_granularities word needs response_format=verbose_json",
@@ -222,14 +226,20 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
         raise BadRequest("stream=true needs response_format json or text", field="stream")
     aligned = fmt in ("verbose_json", "srt", "vtt")
     options = decode_options(st, language, task, None, prompt, temperature, aligned, hotwords)
-    job_id = await accept_upload(st, file, options, who)
+    first = await idempotency.find(st, who.owner, key) if key else None
+    job_id = first.id if first else await accept_upload(st, file, options, who, idempotency_key=key)
     if stream:  # issue 21
         return openai_stream.stream_response(st, job_id, {"X-Batchscribe-Job-Id": job_id})
-    row = await _wait(request, st, job_id)
+    # With a key the job outlives this request: the client's retry (same key) collects it.
+    row = await _wait(request, st, job_id, cancel_if_gone=key is None)
     headers = {"X-Batchscribe-Job-Id": job_id}
+    if first is not None:
+        headers[idempotency.REPLAYED] = "true"
     if row is not None and row.status not in TERMINAL and st.runner.stopped:
-        # Draining: the client will retry elsewhere, so this copy must not run after restart.
-        await st.runner.cancel(row)
+        # Draining: the client will retry elsewhere, so a keyless copy must not run after the
+        # restart; a keyed one stays queued for the retry to find.
+        if key is None:
+            await st.runner.cancel(row)
         return openai_error(503, "the service is restarting; retry the request",
                             code="shutting_down", headers={**headers, "Retry-After": "1"})
     if row is None or row.status != "done" or row.result is None:
@@ -242,8 +252,10 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
     return PlainTextResponse(render(result, fmt, cue), media_type=MEDIA_TYPES[fmt], headers=headers)
 
 
-async def _wait(request: Request, st: AppState, job_id: str) -> JobRow | None:
-    """Wait for the job, or cancel it as soon as the client disconnects."""
+async def _wait(request: Request, st: AppState, job_id: str,
+                cancel_if_gone: bool = True) -> JobRow | None:
+    """Wait for the job; stop waiting as soon as the client disconnects, and then cancel the job
+    unless ``cancel_if_gone`` is off."""
     waiting = asyncio.create_task(st.runner.wait(job_id, st.settings.limits.sync_timeout_s))
     gone = asyncio.create_task(_disconnected(request))
     try:
@@ -253,7 +265,8 @@ async def _wait(request: Request, st: AppState, job_id: str) -> JobRow | None:
             t.cancel()
         await asyncio.gather(waiting, gone, return_exceptions=True)
     row = await st.store.get(job_id)
-    if gone.done() and not gone.cancelled() and row is not None and row.status not in TERMINAL:
+    if (cancel_if_gone and gone.done() and not gone.cancelled() and row is not None
+            and row.status not in TERMINAL):
         await st.runner.cancel(row)
     return row
 

@@ -11,7 +11,8 @@ from fastapi.responses import JSONResponse
 from starlette.concurrency import run_in_threadpool
 
 from app import audio
-from app.api.deps import Caller, caller, ready_state, to_job
+from app.api import idempotency
+from app.api.deps import Caller, caller, job_answer, ready_state
 from app.api.limits import admitted
 from app.errors import BadRequest, InvalidAudio, PayloadTooLarge
 from app.jobs.runner import new_job_id
@@ -71,8 +72,10 @@ def spool_upload(src: UploadFile, dest: Path, max_bytes: int) -> int:
 
 async def accept_upload(st: AppState, file: UploadFile, options: JobOptions,
                         who: Caller, callback_url: str | None = None,
+                        idempotency_key: str | None = None,
                         spool: Spool = spool_upload) -> str:
-    """Spool + probe + backpressure + commit. Returns the new job id (the row is committed).
+    """Spool + probe + backpressure + commit. Returns the job id (the row is committed): the new
+    job's, or the first job's when another request with the same Idempotency-Key committed first.
 
     ``spool`` copies the upload to its spool path and returns the bytes written (raw PCM uploads
     of the whisper-asr-webservice API are wrapped in a WAV header on the way: app/api/asr.py)."""
@@ -86,11 +89,18 @@ async def accept_upload(st: AppState, file: UploadFile, options: JobOptions,
             raise InvalidAudio("the uploaded file is empty")
         info = await run_in_threadpool(audio.probe, dest, st.settings.limits.max_audio_s)
         async with admitted(st, info.duration_s):  # 429 past the backlog bound
-            await st.runner.submit(job_id, dest, (file.filename or "")[:255] or None, options,
-                                   info.duration_s, who.owner, callback_url)
+            first = await idempotency.commit(
+                st, who.owner, idempotency_key,
+                lambda key: st.runner.submit(job_id, dest, (file.filename or "")[:255] or None,
+                                             options, info.duration_s, who.owner, callback_url,
+                                             idempotency_key=key))
     except BaseException:
         dest.unlink(missing_ok=True)
         raise
+    if first is not None:  # a concurrent request with this key won: this upload is not needed
+        await st.runner.drop_upload(st.runner.blobs.key(dest))
+        dest.unlink(missing_ok=True)
+        return first
     return job_id
 
 
@@ -113,19 +123,14 @@ async def transcribe(
         max_length=2048, description="POSTed the signed job summary when it ends (webhooks on).",
     )] = None,
     wait: Annotated[bool, Query(description="Answer with the finished job (200).")] = False,
+    idempotency_key: idempotency.KeyHeader = None,
     st: AppState = Depends(ready_state),
     who: Caller = Depends(caller),
 ) -> JSONResponse:
+    # A key already known was answered before the body was read (idempotency.IdempotencyGate).
+    key = idempotency.parse_key(idempotency_key)
     options = decode_options(st, language, task, beam_size, initial_prompt, temperature,
                              word_timestamps, hotwords, language_detection)
-    job_id = await accept_upload(st, file, options, who, callback_url)
-    if wait:
-        # On timeout the job keeps running; the client gets 202 and polls status_url.
-        await st.runner.wait(job_id, st.settings.limits.sync_timeout_s)
-    row = await st.store.get(job_id)
-    assert row is not None
-    job = to_job(row, st)
-    code = 200 if wait and row.status in ("done", "failed", "cancelled") else 202
-    return JSONResponse(job.model_dump(mode="json"), status_code=code,
-                        headers={"Location": job.status_url})
+    job_id = await accept_upload(st, file, options, who, callback_url, key)
+    return await job_answer(st, job_id, wait)
 

@@ -123,7 +123,8 @@ class JobRunner:
 
     # ---- API side ----------------------------------------------------------------------------
     async def submit(self, job_id: str, upload: Path, filename: str | None, options: JobOptions,
-                     audio_seconds: float, owner: str | None, callback_url: str | None = None) -> None:
+                     audio_seconds: float, owner: str | None, callback_url: str | None = None,
+                     idempotency_key: str | None = None) -> None:  # hook: app/api/idempotency.py
         # The upload is in the shared blob store before its row exists: whoever claims the job
         # finds it. The row holds the key, never this replica's path.
         key = self.blobs.key(upload)
@@ -132,6 +133,7 @@ class JobRunner:
             id=job_id, owner=owner, status="queued", created_at=time.time(), filename=filename,
             upload_path=key, options=options.to_dict(), audio_seconds=audio_seconds,
             windows_done=0, attempts=0, callback_url=callback_url,
+            idempotency_key=idempotency_key,  # unique: a second job under one key fails to insert
         )
         self.wake()
 

@@ -63,6 +63,10 @@ jobs = sa.Table(
     sa.Column("webhook_next_at", sa.Float),  # next attempt due (also the lease of one in flight)
     sa.Column("webhook_last_error", sa.String(512)),
     sa.Column("webhook_delivered_at", sa.Float),
+    # sha256(owner, Idempotency-Key) of the POST that made the job (app/api/idempotency.py): the
+    # owner is inside the digest, so one unique column scopes keys per caller, the keyless tenant
+    # (owner NULL, which a unique index over (owner, key) would not constrain) included.
+    sa.Column("idempotency_key", sa.String(64), unique=True, index=True),
 )
 WEBHOOK_ON = ("done", "failed")  # final statuses that are delivered to a job's callback_url
 
@@ -104,6 +108,7 @@ class JobRow:
     webhook_last_error: str | None = None
     webhook_delivered_at: float | None = None
     replica: str | None = None
+    idempotency_key: str | None = None
 
 
 def _row(r: Any) -> JobRow:
@@ -159,6 +164,27 @@ class JobStore:
     async def get(self, job_id: str) -> JobRow | None:
         r = await self.run(lambda c: c.execute(GET, {"job_id": job_id}).first())
         return _row(r) if r else None
+
+    async def get_many(self, ids: builtins.list[str], owner: str | None) -> builtins.list[JobRow]:
+        """The caller's jobs among ``ids`` (one query; others' and unknown ids are left out)."""
+        if not ids:
+            return []
+        q = jobs.select().where(jobs.c.id.in_(ids),
+                                jobs.c.owner.is_(None) if owner is None else jobs.c.owner == owner)
+        return await self.run(lambda c: [_row(r) for r in c.execute(q)])
+
+    async def by_idempotency_key(self, digest: str, since: float) -> JobRow | None:
+        """The job created under this key digest at or after ``since``. A holder created before
+        gives the key up in the same transaction (its row stays), so the key can be used again."""
+
+        def find(conn: sa.Connection) -> JobRow | None:
+            r = conn.execute(jobs.select().where(jobs.c.idempotency_key == digest)).first()
+            if r is None or r.created_at >= since:
+                return _row(r) if r else None
+            conn.execute(jobs.update().where(jobs.c.id == r.id).values(idempotency_key=None))
+            return None
+
+        return await self.run(find)
 
     async def list(self, owner: str | None, limit: int = 100) -> builtins.list[JobRow]:
         q = jobs.select().order_by(jobs.c.created_at.desc()).limit(limit)

@@ -1,0 +1,205 @@
+"""``batchscribe dataset`` end to end: the real CLI process, real services on the real model.
+
+* ../shared/corpus as a NeMo manifest: a complete output manifest, per-utterance WER equal to
+  the project's scorer, the summary's WER equal to the corpus-level WER of the output.
+* The client killed (SIGKILL) halfway, then ``--resume``: every row once in the output, and the
+  service made one job per row (none transcribed twice).
+* The service killed (kill -9) halfway and restarted: the client carries on and completes.
+* Two replicas on one PostgreSQL store fed by one client: every row done once, by both.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import sqlalchemy as sa
+import srt
+
+from tests.conftest import CORPUS, ROOT, Clip, Server, corpus_clips
+from tests.test_crash import MISLABELLED, db_jobs, finished_done, wait_until
+from tests.test_postgres import PG_BINS, db, pg  # noqa: F401  (fixtures)
+from tests.wer import wer
+
+pytestmark = pytest.mark.model
+READ = ("librispeech", "ljspeech", "librivox")
+
+
+@pytest.fixture(scope="module")
+def corpus() -> list[Clip]:
+    if not (CORPUS / "manifest.jsonl").is_file() and os.environ.get("CI"):
+        pytest.fail(f"corpus not found at {CORPUS}: CI needs it")
+    return corpus_clips()
+
+
+def nemo_manifest(clips: list[Clip], path: Path) -> Path:
+    """The corpus in NeMo's manifest format (extra fields are carried to the output)."""
+    with path.open("w") as f:
+        for c in clips:
+            f.write(json.dumps({"audio_filepath": str(c.path), "duration": c.duration_s,
+                                "text": c.reference, "lang": "en", "id": c.id, "set": c.set}) + "\n")
+    return path
+
+
+def dataset_cmd(manifest: Path, out: Path, servers: list[Server], *extra: str) -> list[str]:
+    urls = [a for s in servers for a in ("--server", s.url)]
+    return [sys.executable, "-m", "app.cli", "dataset", str(manifest), "-o", str(out),
+            "--language", "en", "--no-progress", *urls, *extra]
+
+
+def run_client(cmd: list[str], timeout: float = 900) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+
+
+def lines(path: Path) -> int:
+    return path.read_bytes().count(b"\n") if path.exists() else 0
+
+
+def read_out(path: Path) -> list[dict[str, Any]]:
+    return [json.loads(x) for x in path.read_text().splitlines()]
+
+
+def check_once(out: Path, clips: list[Clip]) -> list[dict[str, Any]]:
+    rows = read_out(out)
+    ids = Counter(r["id"] for r in rows)
+    assert ids == Counter(c.id for c in clips), {k: v for k, v in ids.items() if v != 1}
+    for r in rows:
+        if r["set"] in READ and r["id"] not in MISLABELLED:
+            assert r["wer"] < 50, r  # each row holds its own clip's transcript
+    return rows
+
+
+def submitted_jobs(out: Path) -> list[str]:
+    ck = out.with_name(out.name + ".checkpoint")
+    return [json.loads(x)["job"] for x in ck.read_text().splitlines() if '"submitted"' in x]
+
+
+def test_corpus_manifest_through_the_service(corpus: list[Clip], server: Server, tmp_path: Path) -> None:
+    out = tmp_path / "corpus.pred.jsonl"
+    p = run_client(dataset_cmd(nemo_manifest(corpus, tmp_path / "corpus.jsonl"), out, [server]))
+    assert p.returncode == 0, p.stderr
+    rows = check_once(out, corpus)
+    by_id = {c.id: c for c in corpus}
+    for r in rows:
+        c = by_id[r["id"]]
+        assert r["audio_filepath"] == str(c.path) and r["duration"] == c.duration_s  # kept
+        assert r["language"] == "en" and r["rtf"] > 0 and isinstance(r["pred_text"], str)
+        if "wer" in r:  # every reference that is not empty once normalised
+            assert r["normaliser"] == "whisper_normalizer.english"
+            assert r["wer"] == round(100 * wer([r["text"]], [r["pred_text"]]), 3), r
+    s = json.loads((tmp_path / "corpus.pred.summary.json").read_text())
+    scored = [r for r in rows if "wer" in r]
+    [total] = s["scores"]
+    assert total["metric"] == "wer" and total["utterances"] == len(scored) >= 80
+    assert total["percent"] == round(100 * wer([r["text"] for r in scored],
+                                               [r["pred_text"] for r in scored]), 3)
+    assert s["done"] == len(corpus) and s["failed"] == 0 and s["this_run"]["x_realtime"] > 1
+    assert abs(s["audio_hours"] * 3600 - sum(c.duration_s for c in corpus)) < 5
+    read = [r for r in scored if r["set"] in READ and r["id"] not in MISLABELLED]
+    assert wer([r["text"] for r in read], [r["pred_text"] for r in read]) < 0.12
+    assert "WER" in p.stderr and "rows done" in p.stderr  # the printed summary
+
+
+def test_subtitles_segments_and_words(corpus: list[Clip], server: Server, tmp_path: Path) -> None:
+    picked = [c for c in corpus if c.set == "librispeech"][:3]
+    out = tmp_path / "subs.jsonl"
+    p = run_client(dataset_cmd(nemo_manifest(picked, tmp_path / "m.jsonl"), out, [server],
+                               "--segments", "--words", "--subtitles", "srt,vtt"))
+    assert p.returncode == 0, p.stderr
+    for r in read_out(out):
+        cues = list(srt.parse(Path(r["srt_filepath"]).read_text()))
+        assert cues and wer([r["text"]], [" ".join(q.content for q in cues)]) < 0.3
+        assert Path(r["vtt_filepath"]).read_text().startswith("WEBVTT")
+        assert r["segments"] and r["words"] and all(w["end"] >= w["start"] for w in r["words"])
+
+
+def test_client_killed_halfway_resumes_exactly_once(make_server: type[Server], corpus: list[Clip],
+                                                    tmp_path: Path) -> None:
+    srv = make_server(tmp_path / "svc").start()
+    clips = corpus[:40]
+    manifest, out = nemo_manifest(clips, tmp_path / "m.jsonl"), tmp_path / "out.jsonl"
+    # Few files in flight, so that the kill finds rows done, rows in flight and rows not sent.
+    cmd = dataset_cmd(manifest, out, [srv], "--max-in-flight", "8")
+    first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert wait_until(lambda: lines(out) >= 12 or first.poll() is not None, 600, step=0.05)
+    first.send_signal(signal.SIGKILL)
+    first.wait(30)
+    at_kill = lines(out)
+    assert first.returncode == -signal.SIGKILL and at_kill < len(clips), at_kill
+    p = run_client([*cmd, "--resume"])
+    assert p.returncode == 0, p.stderr
+    check_once(out, clips)
+    jobs = submitted_jobs(out)
+    assert len(set(jobs)) == len(clips)  # a re-post of an unrecorded row named the same job
+    assert len(db_jobs(srv.data_dir)) == len(clips)  # the service made one job per row
+    assert finished_done(srv) == len(clips)  # and transcribed each once
+    print(f"killed with {at_kill}/{len(clips)} rows written; "
+          f"{len(jobs) - len(set(jobs))} rows re-posted under their first key")
+
+
+def test_service_killed_and_restarted_the_client_carries_on(
+        make_server: type[Server], corpus: list[Clip], tmp_path: Path) -> None:
+    data = tmp_path / "svc"
+    srv = make_server(data).start()
+    clips = corpus[:40]
+    out = tmp_path / "out.jsonl"
+    client = subprocess.Popen(dataset_cmd(nemo_manifest(clips, tmp_path / "m.jsonl"), out, [srv],
+                                          "--max-in-flight", "12"),
+                              cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        assert wait_until(lambda: lines(out) >= 10 or client.poll() is not None, 600, step=0.05)
+        srv.kill()  # kill -9: no drain
+        assert client.poll() is None and lines(out) < len(clips)
+        time.sleep(2)  # the client meets a dead port for a while
+        again = make_server(data, port=srv.port).start()
+        _, err = client.communicate(timeout=900)
+    finally:
+        if client.poll() is None:
+            client.kill()
+    assert client.returncode == 0, err
+    assert "retrying" in err  # it noticed, and carried on
+    check_once(out, clips)
+    assert len(db_jobs(data)) == len(clips)  # no row made a second job across the crash
+    assert all(j["status"] == "done" for j in db_jobs(data).values())
+    assert again.proc is not None and again.proc.poll() is None
+
+
+@pytest.fixture
+def pg_url(request: pytest.FixtureRequest) -> str:
+    if not PG_BINS and os.environ.get("CI"):
+        pytest.fail("PostgreSQL server binaries not found: scripts/test installs them")
+    return str(request.getfixturevalue("db"))
+
+
+def test_two_replicas_on_postgres_fed_by_one_client(make_server: type[Server], corpus: list[Clip],
+                                                     tmp_path: Path, pg_url: str) -> None:
+    shared = tmp_path / "shared"  # the blob folder both replicas read
+    env = {"BATCHSCRIBE_STORAGE__DATABASE_URL": pg_url, "BATCHSCRIBE_MODEL__NUM_WORKERS": "1"}
+    a = make_server(shared, env={**env, "BATCHSCRIBE_STORAGE__REPLICA_ID": "replica-a"}).start()
+    b = make_server(shared, env={**env, "BATCHSCRIBE_STORAGE__REPLICA_ID": "replica-b"}).start()
+    clips = corpus[:30]
+    out = tmp_path / "out.jsonl"
+    p = run_client(dataset_cmd(nemo_manifest(clips, tmp_path / "m.jsonl"), out, [a, b]))
+    assert p.returncode == 0, p.stderr + a.log() + b.log()
+    check_once(out, clips)
+    eng = sa.create_engine(pg_url)
+    try:
+        with eng.connect() as c:
+            table = [dict(r._mapping) for r in c.execute(sa.text("SELECT * FROM jobs"))]
+    finally:
+        eng.dispose()
+    assert len(table) == len(clips) and all(r["status"] == "done" for r in table)
+    assert all(r["attempts"] == 1 and r["idempotency_key"] for r in table)
+    assert {r["replica"] for r in table} == {"replica-a", "replica-b"}  # both took work
+    ck = out.with_name(out.name + ".checkpoint")
+    servers = Counter(json.loads(x)["server"] for x in ck.read_text().splitlines() if '"submitted"' in x)
+    assert set(servers) == {a.url, b.url}, servers  # the client fed both
+    assert finished_done(a) + finished_done(b) == len(clips)
