@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 
-from tests.conftest import Clip, Server, free_port
+from tests.conftest import Clip, Server, free_port, need
 from tests.test_crash import finished_done, speech_clips, submit, wait_until
 from tests.wer import wer
 
@@ -62,9 +62,8 @@ def _as_postgres(cmd: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pg() -> Iterator[PgCluster]:
-    if not PG_BINS:
-        pytest.skip("PostgreSQL server binaries not found (/usr/lib/postgresql/*/bin): "
-                    "apt-get install postgresql (scripts/test does)")
+    need(PG_BINS, "PostgreSQL server binaries not found (/usr/lib/postgresql/*/bin): "
+         "apt-get install postgresql (scripts/test does)")
     bindir = Path(PG_BINS[-1]).parent
     root = Path(tempfile.mkdtemp(prefix="batchscribe-pg-"))
     if os.geteuid() == 0:
