@@ -151,6 +151,49 @@ async def test_concurrent_migrations_and_skip_locked_claims(db: str) -> None:
         await b.close()
 
 
+async def test_round_robin_claims_on_postgres(db: str) -> None:
+    from app.jobs.store import JobStore
+    from tests.test_claims import round_robin_order
+
+    store = JobStore(db)
+    try:
+        await store.init()
+        await round_robin_order(store)
+    finally:
+        await store.close()
+
+
+async def test_leases_use_the_database_clock(db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica whose clock runs an hour ahead still writes leases that expire on the
+    database's clock: the other replicas do not take its jobs early, nor it theirs late."""
+    import app.jobs.store as store_module
+    from app.jobs.store import JobStore
+
+    store = JobStore(db)
+    try:
+        await store.init()
+        await store.insert(id="j", owner=None, status="queued", created_at=time.time(),
+                           upload_path="j", options={}, audio_seconds=1.0, windows_done=0,
+                           attempts=0)
+
+        class Skewed:
+            @staticmethod
+            def time() -> float:
+                return time.time() + 3600
+
+        monkeypatch.setattr(store_module, "time", Skewed)
+        [job] = await store.claim("fast-clock", 1, 30.0)
+        now = time.time()
+        assert job.lease_expires_at is not None and abs(job.lease_expires_at - (now + 30)) < 5
+        assert job.started_at is not None and abs(job.started_at - now) < 5
+        await store.heartbeat("fast-clock", {}, 1.0)
+        assert await store.requeue_stale(None) == 0  # 1 s left on the database's clock
+        await asyncio.sleep(1.5)
+        assert await store.requeue_stale(None) == 1
+    finally:
+        await store.close()
+
+
 # ---- two service processes --------------------------------------------------------------------
 def server_env(url: str, replica: str) -> dict[str, str]:
     return {"BATCHSCRIBE_STORAGE__DATABASE_URL": url,

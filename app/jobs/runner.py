@@ -267,6 +267,7 @@ class JobRunner:
 
     async def _process(self, job: JobRow) -> None:
         loop = asyncio.get_running_loop()
+        job.attempts = await self.store.started(job.id, self.replica)  # issue 18: work starts
         if job.attempts > self.settings.storage.max_attempts:  # see StorageSettings.max_attempts
             raise TranscriptionFailed(
                 f"the service stopped {job.attempts - 1} times while running this job (a crash "
