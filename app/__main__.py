@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -16,6 +17,7 @@ from fastapi import FastAPI
 
 from app.config import Settings
 from app.main import create_app, setup_logging
+from app.security import exposure_problem, is_loopback
 
 
 class GracefulServer(uvicorn.Server):
@@ -39,11 +41,19 @@ class GracefulServer(uvicorn.Server):
 
 
 def main() -> int:
+    settings = Settings()
+    if problem := exposure_problem(settings):  # before anything loads: fail in a second
+        print(problem, file=sys.stderr)
+        return 2
     if "libtcmalloc" not in os.environ.get("LD_PRELOAD", ""):
         print("warning: tcmalloc is not preloaded; CPU batching runs ~2x slower with glibc "
               "malloc (see README)", file=sys.stderr)
-    settings = Settings()
     setup_logging(os.environ.get("BATCHSCRIBE_LOG_LEVEL", "INFO"))
+    if settings.security.allow_anonymous and not settings.security.api_key_sha256 \
+            and not is_loopback(settings.host):
+        logging.getLogger("batchscribe").warning(
+            "serving without API keys on %s (BATCHSCRIBE_SECURITY__ALLOW_ANONYMOUS=true): every "
+            "client can read and cancel every job", settings.host)
     app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None,
