@@ -1,7 +1,13 @@
-"""POST /transcribe: spool the upload, validate it, commit the job, answer 202 (or wait)."""
+"""POST /transcribe: spool the upload (or fetch audio_url), validate it, commit the job, answer
+202 (or wait). The body is a multipart form, or the same fields as a JSON object with an
+``audio_url`` (app/api/json_form.py)."""
 
 from __future__ import annotations
 
+import os
+import unicodedata
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -11,18 +17,20 @@ from starlette.concurrency import run_in_threadpool
 
 from app import audio
 from app.api.deps import Caller, caller, ready_state, to_job
+from app.api.json_form import JsonFormRoute
 from app.api.limits import admitted
-from app.errors import BadRequest, InvalidAudio, PayloadTooLarge
+from app.errors import BadRequest, InvalidAudio, PayloadTooLarge, ServiceError
 from app.jobs.runner import new_job_id
 from app.jobs.webhooks import check_callback_url
+from app.remote import fetch_audio
 from app.schemas import ErrorBody, Job
 from app.state import AppState
 from app.windows import JobOptions
 
-router = APIRouter(tags=["transcription"])
+router = APIRouter(tags=["transcription"], route_class=JsonFormRoute)
 
 ERRORS: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorBody} for code in (400, 413, 415, 422, 429, 503)
+    code: {"model": ErrorBody} for code in (400, 413, 415, 422, 429, 502, 503)
 }
 
 
@@ -48,7 +56,9 @@ def decode_options(st: AppState, language: str | None, task: str, beam_size: int
 
 
 def spool_upload(src: UploadFile, dest: Path, max_bytes: int) -> int:
-    """Copy the (already disk-spooled) upload under our own name, enforcing the size limit."""
+    """Copy the (already disk-spooled) upload under our own name, enforcing the size limit.
+    fsynced: the job row that will point at it is committed only after (blobs.put syncs the
+    folder)."""
     size = 0
     with dest.open("wb") as out:
         while block := src.file.read(1 << 20):
@@ -57,34 +67,74 @@ def spool_upload(src: UploadFile, dest: Path, max_bytes: int) -> int:
                 raise PayloadTooLarge(f"upload exceeds the limit of {max_bytes} bytes",
                                       limit_bytes=max_bytes)
             out.write(block)
+        out.flush()
+        os.fsync(out.fileno())
     return size
 
 
-async def accept_upload(st: AppState, file: UploadFile, options: JobOptions,
-                        who: Caller, callback_url: str | None = None) -> str:
-    """Spool + probe + backpressure + commit. Returns the new job id (the row is committed)."""
-    callback_url = check_callback_url(st.settings.webhooks, callback_url)  # before any spooling
+KEPT_FORMAT_CHARS = frozenset("\u200c\u200d")  # zero-width (non-)joiners: parts of emoji and scripts
+
+
+def clean_name(name: str | None) -> str | None:
+    """A client's file name as a display name: control characters (NUL gave a 500 on
+    PostgreSQL), unpaired surrogates (not encodable) and invisible format characters (e.g.
+    right-to-left overrides, which disguise a name) removed; at most 255 characters."""
+    if not name:
+        return None
+    kept = "".join(c for c in name if unicodedata.category(c) not in ("Cc", "Cs", "Cf")
+                   or c in KEPT_FORMAT_CHARS)
+    return kept.strip()[:255] or None
+
+
+async def accept_upload(st: AppState, file: UploadFile | None, options: JobOptions,
+                        who: Caller, callback_url: str | None = None,
+                        audio_url: str | None = None,
+                        check: Callable[[float], None] | None = None) -> str:
+    """Spool (or fetch ``audio_url``) + probe + backpressure + commit. Returns the new job id
+    (the row is committed). ``check(duration_s)`` may refuse the upload after the probe."""
+    audio_url = (audio_url or "").strip() or None
+    if (file is None) == (audio_url is None):
+        raise MissingInput("send the audio as a multipart 'file' or name it in 'audio_url' "
+                           "(one of the two)", field="file")
+    # Both URL checks come before any byte is spooled or fetched.
+    callback_url = await check_callback_url(st.settings.webhooks, st.outbound, callback_url)
     job_id = new_job_id()
     # The client's file name is display-only; the spool path is our random id.
     dest = st.spool_dir / job_id
     try:
-        size = await run_in_threadpool(spool_upload, file, dest, st.settings.limits.max_upload_bytes)
+        if file is not None:
+            size = await run_in_threadpool(spool_upload, file, dest,
+                                           st.settings.limits.max_upload_bytes)
+            filename = clean_name(file.filename)
+        else:
+            assert audio_url is not None
+            fetched = await fetch_audio(st.settings, st.outbound, audio_url, dest)
+            size, filename = fetched.size, clean_name(fetched.filename)
+            options = replace(options, audio_url=fetched.url)
         if size == 0:
             raise InvalidAudio("the uploaded file is empty")
         info = await run_in_threadpool(audio.probe, dest, st.settings.limits.max_audio_s)
-        async with admitted(st, info.duration_s):  # 429 past the backlog bound
-            await st.runner.submit(job_id, dest, (file.filename or "")[:255] or None, options,
-                                   info.duration_s, who.owner, callback_url)
+        if check is not None:
+            check(info.duration_s)
+        async with admitted(st, info.duration_s, who.owner):  # 429 past the backlog bounds
+            await st.runner.submit(job_id, dest, filename, options, info.duration_s, who.owner,
+                                   callback_url)
     except BaseException:
         dest.unlink(missing_ok=True)
         raise
     return job_id
 
 
+class MissingInput(ServiceError):
+    status_code = 422
+    error_type = "invalid_request"
+
+
 @router.post("/transcribe", status_code=202, response_model=Job, responses=ERRORS)
 async def transcribe(
     request: Request,
-    file: Annotated[UploadFile, File(description="Audio: wav, flac, mp3, ogg, m4a, webm.")],
+    file: Annotated[UploadFile | None, File(
+        description="Audio: wav, flac, mp3, ogg, m4a, webm. Or audio_url instead.")] = None,
     language: Annotated[str | None, Form(description="ISO 639-1; detected when absent.")] = None,
     task: Annotated[Literal["transcribe", "translate"], Form()] = "transcribe",
     beam_size: Annotated[int | None, Form(ge=1, le=10)] = None,
@@ -94,13 +144,18 @@ async def transcribe(
     callback_url: Annotated[str | None, Form(
         max_length=2048, description="POSTed the signed job summary when it ends (webhooks on).",
     )] = None,
+    audio_url: Annotated[str | None, Form(
+        max_length=2048, description="Instead of a file: an http(s):// or s3:// URL the service "
+        "fetches (size and duration limits apply while it streams; private addresses only where "
+        "the operator allows them).",
+    )] = None,
     wait: Annotated[bool, Query(description="Answer with the finished job (200).")] = False,
     st: AppState = Depends(ready_state),
     who: Caller = Depends(caller),
 ) -> JSONResponse:
     options = decode_options(st, language, task, beam_size, initial_prompt, temperature,
                              word_timestamps)
-    job_id = await accept_upload(st, file, options, who, callback_url)
+    job_id = await accept_upload(st, file, options, who, callback_url, audio_url)
     if wait:
         # On timeout the job keeps running; the client gets 202 and polls status_url.
         await st.runner.wait(job_id, st.settings.limits.sync_timeout_s)
