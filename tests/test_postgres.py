@@ -322,3 +322,21 @@ def test_kill_9_replica_other_finishes_after_lease(make_server: type[Server], tm
     assert not (shared / "uploads" / long_id).exists()
     with pytest.raises(httpx.HTTPError):
         httpx.get(victim.url + "/healthz", timeout=2)  # really gone
+
+
+@pytest.mark.model
+def test_control_characters_in_names_on_postgres(make_server: type[Server], tmp_path: Path,
+                                                 db: str, clips: list[Clip]) -> None:
+    """A NUL in a file name was a 500 here (PostgreSQL text cannot hold one); now it is dropped
+    from the display name and the job runs."""
+    srv = make_server(tmp_path / "shared", env=server_env(db, "replica-a")).start()
+    clip = speech_clips(clips, 1)[0]
+    body = (b'--b\r\nContent-Disposition: form-data; name="file"; filename="a\x00b.wav"\r\n'
+            b"Content-Type: application/octet-stream\r\n\r\n" + clip.path.read_bytes()
+            + b"\r\n--b--\r\n")
+    with srv.client() as c:
+        r = c.post("/transcribe", params={"wait": "true"}, content=body,
+                   headers={"content-type": "multipart/form-data; boundary=b"})
+    assert r.status_code == 200, r.text
+    assert r.json()["filename"] == "ab.wav" and r.json()["status"] == "done"
+    assert rows(db)[r.json()["id"]]["filename"] == "ab.wav"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from fastapi import Request
 
-from app.errors import NotFound, NotReady
+from app.errors import NotFound, NotReady, public_error
 from app.jobs.store import JobRow
 from app.schemas import Job, Progress, Transcription, WebhookState
 from app.state import AppState
@@ -56,7 +56,7 @@ def to_job(row: JobRow, st: AppState, base: str = "") -> Job:
         audio_seconds=row.audio_seconds, queue_wait_s=row.queue_wait_s,
         processing_s=row.processing_s, rtf=rtf,
         result=Transcription.model_validate(row.result) if row.result else None,
-        error=row.error, webhook=webhook_state(row),
+        error=public_error(row.error), webhook=webhook_state(row),
     )
 
 

@@ -8,7 +8,7 @@ from fastapi import APIRouter, Depends, Query
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from app.api.deps import Caller, caller, load_job, state, to_job
-from app.errors import Conflict
+from app.errors import Conflict, public_error
 from app.formats import MEDIA_TYPES, render
 from app.schemas import ErrorBody, Job, JobList
 from app.state import AppState
@@ -43,7 +43,7 @@ async def get_result(
     job = await load_job(st, job_id, who)
     if job.status != "done" or job.result is None:
         raise Conflict(f"job {job_id} is {job.status}; the result exists once it is done",
-                       status=job.status, error=job.error)
+                       status=job.status, error=public_error(job.error))
     if format == "json":
         return JSONResponse(job.result)
     return PlainTextResponse(render(job.result, format), media_type=MEDIA_TYPES[format])
