@@ -95,6 +95,9 @@ COPY --from=builder /opt/venv /opt/venv
 COPY --from=model --chown=app:app /models /models
 # LD_PRELOAD: tcmalloc keeps the batcher's many short-lived numpy/torch buffers cheap; glibc
 # malloc fragments and slows batching markedly. It applies to every process in the container.
+# HOST=0.0.0.0 serves other machines, so the service refuses to start without API keys: pass
+# -e BATCHSCRIBE_SECURITY__API_KEY_SHA256=<sha256 of each key>, or on purpose (e.g. behind an
+# authenticating proxy) -e BATCHSCRIBE_SECURITY__ALLOW_ANONYMOUS=true. Not anonymous by default.
 ENV PATH=/opt/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/venv \
     LD_LIBRARY_PATH=/opt/venv/lib/python3.11/site-packages/nvidia/cublas/lib \
@@ -102,6 +105,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     PYTHONDONTWRITEBYTECODE=1 \
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 \
     BATCHSCRIBE_HOST=0.0.0.0 \
+    BATCHSCRIBE_SECURITY__ALLOW_ANONYMOUS=false \
     BATCHSCRIBE_PORT=8000 \
     BATCHSCRIBE_MODEL__CACHE_DIR=/models \
     BATCHSCRIBE_STORAGE__DATA_DIR=/data \

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import sys
@@ -21,6 +22,7 @@ from fastapi import FastAPI  # noqa: E402
 from app.config import Settings  # noqa: E402
 from app.engine.loading import REFUSALS, preflight  # noqa: E402
 from app.main import create_app, setup_logging  # noqa: E402
+from app.security import exposure_problem, is_loopback  # noqa: E402
 
 
 class GracefulServer(uvicorn.Server):
@@ -44,16 +46,24 @@ class GracefulServer(uvicorn.Server):
 
 
 def main() -> int:
+    settings = Settings()
+    if problem := exposure_problem(settings):  # before anything loads: fail in a second
+        print(problem, file=sys.stderr)
+        return 2
     if "libtcmalloc" not in os.environ.get("LD_PRELOAD", ""):
         print("warning: tcmalloc is not preloaded; CPU batching runs ~2x slower with glibc "
               "malloc (see README)", file=sys.stderr)
-    settings = Settings()
     try:  # a GPU asked for but absent, a missing model...: one line, no traceback, exit 2
         preflight(settings)
     except REFUSALS as exc:
         print(f"batchscribe: cannot start: {exc}", file=sys.stderr)
         return 2
     setup_logging(os.environ.get("BATCHSCRIBE_LOG_LEVEL", "INFO"))
+    if settings.security.allow_anonymous and not settings.security.api_key_sha256 \
+            and not is_loopback(settings.host):
+        logging.getLogger("batchscribe").warning(
+            "serving without API keys on %s (BATCHSCRIBE_SECURITY__ALLOW_ANONYMOUS=true): every "
+            "client can read and cancel every job", settings.host)
     app = create_app(settings)
     config = uvicorn.Config(
         app, host=settings.host, port=settings.port, log_config=None,

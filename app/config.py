@@ -8,12 +8,13 @@ variables with a double underscore, e.g. ``BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE=1
 from __future__ import annotations
 
 import json
+import math
 import os
 import socket
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 DEFAULT_HOME = Path(os.environ.get("BATCHSCRIBE_HOME", Path.home() / ".cache" / "batchscribe"))
@@ -281,6 +282,30 @@ class LimitSettings(BaseModel):
     sync_timeout_s: float = Field(
         600.0, gt=0, le=86_400, description="?wait=true gives up after this (the job continues)."
     )
+    openai_wait_s: float = Field(
+        540.0, gt=0, le=590,
+        description="/v1 answers within this (or sync_timeout_s if shorter): under the OpenAI "
+        "SDK's default 600 s time-out, after which the SDK uploads the file again. Audio the "
+        "service cannot transcribe in this time at its current speed is refused up front (413, "
+        "naming the async route); a job still running at the deadline is cancelled.",
+    )
+    max_queued_s_per_key: float = Field(
+        3 * 3600.0, gt=0,
+        description="Queued + running audio one API key may hold (429 with Retry-After past it), "
+        "so one key cannot fill the whole backlog and push every other key into 429s. Each job "
+        "counts at least one padded window (see min_job_s). Only with API keys: without them "
+        "every caller is one tenant and max_backlog_s alone applies.",
+    )
+    max_queued_jobs_per_key: int = Field(
+        1000, ge=1, le=1_000_000,
+        description="Queued + running jobs one API key may hold (429; only with API keys)."
+    )
+    max_event_streams_per_key: int = Field(
+        16, ge=1, le=10_000,
+        description="Open GET /jobs/{id}/events streams per API key (429 past it; without keys, "
+        "for all callers together). Streams of one job share one reader of the store, whatever "
+        "their number.",
+    )
 
 
 class SecuritySettings(BaseModel):
@@ -294,6 +319,19 @@ class SecuritySettings(BaseModel):
     )
     open_health: bool = Field(default=True, description="/healthz and /readyz answer without a key.")
     open_metrics: bool = Field(default=True, description="/metrics answers without a key.")
+    allow_anonymous: bool = Field(
+        default=False,
+        description="Without API keys the service refuses to start on a non-loopback address "
+        "(anyone who can reach it would read and cancel every job). true: serve everyone "
+        "anyway, on purpose (e.g. behind an authenticating proxy).",
+    )
+    trusted_hosts: list[str] = Field(
+        default_factory=list, max_length=1000,
+        description="Without API keys, only requests whose Host header names a loopback address "
+        "(localhost, 127.0.0.1, [::1]) are served, so a web page cannot read the API through DNS "
+        "rebinding. Extra Host names to accept (JSON list; '*.example.com' for subdomains, '*' "
+        "for any). Not used when keys are configured: a page cannot send the key.",
+    )
 
     @field_validator("api_key_sha256", mode="before")
     @classmethod
@@ -321,18 +359,65 @@ class WebhookSettings(BaseModel):
         default=2.0, gt=0, le=3600, description="Wait before the 2nd attempt; doubles after each."
     )
     max_backoff_s: float = Field(default=3600.0, gt=0, description="Cap on the wait between attempts.")
-    timeout_s: float = Field(default=10.0, gt=0, le=300, description="Per attempt, connect to answer.")
+    timeout_s: float = Field(
+        default=10.0, gt=0, le=300,
+        description="Total deadline of one attempt: resolve, connect, send, read the status line "
+        "(a receiver that trickles its answer cannot hold an attempt longer).",
+    )
     allowed_hosts: list[str] = Field(
         default_factory=list, max_length=1000,
-        description="Hosts a callback_url may name: exact names, or '.example.com' for that "
-        "domain and its subdomains (JSON list in the environment). Empty: any host, which lets "
-        "every client make the service POST to internal addresses; set it where clients are "
-        "not trusted.",
+        description="Deprecated: use outbound.allowed_hosts (same syntax). Entries here are "
+        "added to it.",
     )
 
     @property
     def enabled(self) -> bool:
         return bool(self.secret.get_secret_value())
+
+
+class OutboundSettings(BaseModel):
+    """Every request the service makes because a client named a URL (webhooks, audio_url).
+
+    Addresses are resolved and checked when the connection is made (DNS rebinding cannot slip
+    past a check made earlier), and the service connects to the address it checked.
+    """
+
+    allowed_hosts: list[str] = Field(
+        default_factory=list, max_length=1000,
+        description="JSON list. Empty: any host whose addresses are all public. Else only these: "
+        "exact names, '.example.com' for a domain and its subdomains, IP addresses or CIDR "
+        "networks. A listed host may resolve to private addresses (the operator named it); "
+        "cloud metadata addresses stay refused unless listed as addresses.",
+    )
+    allow_private: bool = Field(
+        default=False,
+        description="Allow loopback, private, link-local, CGNAT, ULA and IPv4-mapped addresses "
+        "for any host (a trusted network only). Metadata addresses stay refused.",
+    )
+    max_in_flight: int = Field(
+        default=64, ge=1, le=10_000, description="Outbound requests at once, in all."
+    )
+    max_per_host: int = Field(
+        default=8, ge=1, le=10_000,
+        description="Outbound requests at once to one host; more wait (webhooks) or get 429 "
+        "(audio_url), so one slow receiver cannot take every slot.",
+    )
+    max_answer_bytes: int = Field(
+        default=4096, ge=0, le=1024 * 1024,
+        description="Of a webhook receiver's answer body, at most this much is read.",
+    )
+    connect_timeout_s: float = Field(default=5.0, gt=0, le=120, description="Resolve + connect.")
+    fetch_timeout_s: float = Field(
+        default=300.0, gt=0, le=3600,
+        description="Total deadline of one audio_url download (the size limit applies while it "
+        "streams: limits.max_upload_bytes).",
+    )
+    s3_buckets: list[str] = Field(
+        default_factory=list, max_length=1000,
+        description="Buckets an s3:// audio_url may name ('bucket' or 'bucket/prefix'), read with "
+        "the blob store's credentials. Empty: s3:// URLs are refused. The blob store's own "
+        "prefix is never readable this way.",
+    )
 
 
 class Settings(BaseSettings):
@@ -357,6 +442,25 @@ class Settings(BaseSettings):
     limits: LimitSettings = LimitSettings()
     security: SecuritySettings = SecuritySettings()
     webhooks: WebhookSettings = WebhookSettings()
+    outbound: OutboundSettings = OutboundSettings()
+
+    @model_validator(mode="after")
+    def _merge_webhook_hosts(self) -> Settings:
+        """The old webhooks.allowed_hosts keeps working: its entries join outbound's list."""
+        extra = [h for h in self.webhooks.allowed_hosts if h not in self.outbound.allowed_hosts]
+        if extra:
+            self.outbound = self.outbound.model_copy(
+                update={"allowed_hosts": [*self.outbound.allowed_hosts, *extra]})
+        return self
+
+    def min_job_s(self) -> float:
+        """What the shortest job costs the engine: one window padded to its time-axis class
+        (a 0.1 s clip is encoded as pad_margin_s rounded up to 5 s, 10 s by default; 30 s
+        with the full axis). Every budget counts a job at least this much."""
+        m = self.model
+        if m.time_axis == "full":
+            return 30.0
+        return min(30.0, math.ceil((0.1 + m.pad_margin_s) / 5.0) * 5.0)
 
     def database_url(self) -> str:
         url = self.storage.database_url

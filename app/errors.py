@@ -8,12 +8,14 @@ JSON body ``{"error": {"type", "message", ...details}}``. Anything else is a bug
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +104,67 @@ class TranscriptionFailed(ServiceError):
 
 class ShuttingDown(Exception):
     """The batcher stopped before this work ran; the job stays queued for the next start."""
+
+
+def status_of(error_type: str) -> int:
+    """The HTTP status of a :class:`ServiceError` type name (a stored job error's ``type``);
+    500 for a type no class declares (``internal_error``)."""
+    todo: list[type[ServiceError]] = [ServiceError]
+    while todo:
+        cls = todo.pop()
+        if cls.error_type == error_type:
+            return cls.status_code
+        todo.extend(cls.__subclasses__())
+    return 500
+
+
+# An absolute filesystem path (two segments or more) not inside a URL: FFmpeg's messages name
+# the file they failed on, and that is the server's spool path.
+_PATH = re.compile(r"(?<![\w:/.~-])/(?:[^\s/'\"]+/)+[^\s/'\",;)]*")
+INTERNAL_MESSAGE = "internal error; see the server log"
+
+
+def public_error(error: dict[str, Any] | None) -> dict[str, Any] | None:
+    """A stored job error as clients may see it: no server paths, no exception text. An
+    unexpected failure says only that it happened; the log has the rest."""
+    if not error:
+        return error
+    out = dict(error)
+    if out.get("type") in (None, "internal_error"):
+        return {"type": "internal_error", "message": INTERNAL_MESSAGE}
+    if isinstance(out.get("message"), str):
+        out["message"] = _PATH.sub("<file>", out["message"])
+    return out
+
+
+# A retry cannot fix these: the OpenAI SDK (and others reading the header) must not resend.
+# 408 and 429 mean "later"; 409 here means "not done yet" (GET /jobs/{id}/result).
+RETRYABLE_4XX = frozenset({408, 409, 425, 429})
+
+
+class RetryHints:
+    """Adds ``x-should-retry: false`` to every 4xx a retry cannot fix, unless the answer
+    already says. The OpenAI SDK retries 408/409/429/5xx twice by default, resending the whole
+    upload each time; with the header it stops at the first answer."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+
+        async def hinted(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                headers = list(message.get("headers", []))
+                if 400 <= status < 500 and status not in RETRYABLE_4XX and \
+                        not any(k.lower() == b"x-should-retry" for k, _ in headers):
+                    message = {**message, "headers": [*headers, (b"x-should-retry", b"false")]}
+            await send(message)
+
+        await self.app(scope, receive, hinted)
 
 
 def install_error_handlers(app: FastAPI) -> None:

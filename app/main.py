@@ -14,13 +14,15 @@ import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
-from typing import cast
+from typing import Any, cast
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from app.api import asr, events, health, jobs, openai, status, transcribe, web
+from app.api.feeds import EventHub
 from app.api.idempotency import install_idempotency
+from app.api.json_form import describe_json_bodies
 from app.api.limits import install_limits
 from app.audio.vad import make_vad
 from app.batching.batcher import Batcher
@@ -34,13 +36,14 @@ from app.engine.placement import EnginePool, load_engines, make_pool
 from app.engine.sizing import EngineSizing, resolve_batcher
 from app.engine.warmup import warm_up_all
 from app.engine.whisper import size_class
-from app.errors import install_error_handlers
+from app.errors import RetryHints, install_error_handlers
 from app.jobs.blobs import make_blobs
 from app.jobs.prep import prep_threads
 from app.jobs.runner import JobRunner
 from app.jobs.store import JobStore, StoreInUse, lock_sqlite
 from app.jobs.webhooks import WebhookDispatcher
 from app.metrics import Metrics
+from app.outbound import OutboundGuard
 from app.security import install_security
 from app.state import AppState
 
@@ -116,7 +119,8 @@ def create_app(settings: Settings | None = None,
         metrics.model_info.info({"model": engine.info.model, "device": engine.info.device,
                                  "compute_type": engine.info.compute_type, "vad": vad_kind,
                                  "workers": str(engine.info.num_workers)})
-        store = JobStore(settings.database_url())
+        store = JobStore(settings.database_url(), min_job_s=settings.min_job_s(),
+                         fair=bool(settings.security.api_key_sha256))
         settings.storage.data_dir.mkdir(parents=True, exist_ok=True)
         blobs = make_blobs(settings.storage)  # uploads: where every replica can read them
         spool = blobs.spool_dir
@@ -137,9 +141,11 @@ def create_app(settings: Settings | None = None,
             runner_engine.on_remove, runner_engine.on_restore = batcher.retire_slots, restore
         runner = JobRunner(settings, store, batcher, vad, metrics, blobs=blobs,
                            prep_workers=prep_threads(settings.prep.workers, len(engines)))
+        outbound = OutboundGuard(settings.outbound)
         st = AppState(settings=settings, metrics=metrics, store=store, spool_dir=spool,
                       languages=transcribe.whisper_languages(), runner=runner, batcher=batcher,
-                      engine=runner_engine, monitor=monitor)
+                      engine=runner_engine, monitor=monitor, outbound=outbound,
+                      feeds=EventHub(settings.limits.max_event_streams_per_key))
         sizing = {"engines": [z.as_dict() for z in sizings],
                   "max_batch_size": batcher_settings.max_batch_size,
                   "max_batch_beams": batcher_settings.max_batch_beams}
@@ -148,7 +154,8 @@ def create_app(settings: Settings | None = None,
             log.info("batch sizing", extra=sizing)
         app.state.bs = st
         # Webhooks only with a signing secret; pending deliveries of earlier runs resume here.
-        webhooks = WebhookDispatcher(settings.webhooks, store) if settings.webhooks.enabled else None
+        webhooks = (WebhookDispatcher(settings.webhooks, store, outbound)
+                    if settings.webhooks.enabled else None)
         if webhooks is not None:
             runner.on_end.append(webhooks.wake)
             st.extras["webhooks"] = webhooks
@@ -183,12 +190,13 @@ def create_app(settings: Settings | None = None,
             await drain()
             if webhooks is not None:
                 await webhooks.stop()
+            await outbound.aclose()
             await asyncio.to_thread(runner_engine.close)
             await store.close()
             log.info("stopped")
 
     app = FastAPI(title="batchscribe", version="0.1.0", lifespan=lifespan,
-                  description="Batched Whisper transcription service.")
+                  description="Batched Whisper transcription service.", form_limits=FORM_LIMITS)
     install_error_handlers(app)
     app.include_router(transcribe.router)
     app.include_router(jobs.router)
@@ -203,9 +211,16 @@ def create_app(settings: Settings | None = None,
     install_limits(app, settings.limits)
     install_idempotency(app)  # between the two: the owner is known, a replay skips the backlog gate
     install_security(app, settings.security)
+    describe_json_bodies(app)
 
     app.add_middleware(HttpMetrics)
+    app.add_middleware(RetryHints)  # outermost: sees every answer, the middlewares' included
     return app
+
+
+# Starlette's parser allows 1000 file parts and 1000 fields per form by default: each part a
+# temporary file and a parse. Every route takes one file and a handful of fields.
+FORM_LIMITS: Any = {"max_files": 1, "max_fields": 32, "max_part_size": 64 * 1024}
 
 
 class HttpMetrics:

@@ -168,7 +168,8 @@ class Metrics:
             self.job_latency.labels(status)
         for outcome in ("ok", "oom", "error"):
             self.batches.labels(outcome)
-        self.rejected.labels("backlog")
+        for reason in ("backlog", "key_audio", "key_jobs"):
+            self.rejected.labels(reason)
 
     def batch_done(self, windows: int, audio_s: float, window_s: float) -> None:
         """A batch's results are out (two stages: its decode): sizes, fill and audio done."""

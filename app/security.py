@@ -9,19 +9,28 @@ tenant ``None``.
 
 This is a pure ASGI middleware on purpose: it answers 401 before the body is read, so an
 unauthenticated client cannot make the service spool an upload.
+
+Without keys the service is open to whoever reaches it, so it is open only on purpose:
+:func:`exposure_problem` makes ``python -m app`` refuse to bind a non-loopback address without
+keys unless ``SECURITY__ALLOW_ANONYMOUS=true``, and :class:`LoopbackHostMiddleware` serves
+keyless requests only when their ``Host`` names a loopback address (or a configured trusted
+host): a web page that rebinds its own name to 127.0.0.1 still sends its own name as ``Host``,
+so it cannot read ``GET /jobs`` from a browser on the service's machine.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import hashlib
 import hmac
+import ipaddress
 import json
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.config import SecuritySettings
+from app.config import SecuritySettings, Settings
 from app.errors import ServiceError
 from app.web import PAGE_PATHS
 
@@ -36,6 +45,82 @@ METRICS_PATHS = frozenset({"/metrics"})
 class Unauthorized(ServiceError):
     status_code = 401
     error_type = "unauthorized"
+
+
+class MisdirectedHost(ServiceError):
+    status_code = 421
+    error_type = "host_not_allowed"
+
+
+LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
+
+
+def is_loopback(host: str) -> bool:
+    """``host`` (a name or an address, IPv6 with or without brackets) is this machine only."""
+    h = host.strip().strip("[]").lower().rstrip(".")
+    if h in LOOPBACK_NAMES or h.endswith(".localhost"):
+        return True
+    try:
+        return ipaddress.ip_address(h).is_loopback
+    except ValueError:
+        return False
+
+
+def exposure_problem(settings: Settings) -> str | None:
+    """Why the service must not start as configured (one line naming the setting), or None.
+
+    Bound beyond loopback without keys, every client on the network would be the same tenant:
+    list every job, read every transcript, cancel anything.
+    """
+    sec = settings.security
+    if sec.api_key_sha256 or sec.allow_anonymous or is_loopback(settings.host):
+        return None
+    return (f"refusing to start: BATCHSCRIBE_HOST={settings.host} is reachable from other "
+            "machines and no API keys are configured, so anyone could read and cancel every "
+            "job. Set BATCHSCRIBE_SECURITY__API_KEY_SHA256 (sha256 hex of each key), or "
+            "BATCHSCRIBE_SECURITY__ALLOW_ANONYMOUS=true to serve everyone on purpose.")
+
+
+def host_header(scope: Scope) -> str:
+    for name, value in scope.get("headers", ()):
+        if name == b"host":
+            host = value.decode("latin-1").strip()
+            if host.startswith("["):  # [::1]:8000
+                return host[: host.find("]") + 1] if "]" in host else host
+            return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
+    return ""
+
+
+class LoopbackHostMiddleware:
+    """Keyless mode: 421 unless the ``Host`` header names a loopback address or a trusted host.
+
+    Health, metrics and docs stay reachable by any name (probes use the pod's address)."""
+
+    def __init__(self, app: ASGIApp, trusted: list[str], open_: frozenset[str]) -> None:
+        self.app = app
+        self.trusted = [t.strip().lower() for t in trusted if t.strip()]
+        self.open = open_
+
+    def allowed(self, host: str) -> bool:
+        h = host.lower().rstrip(".")
+        return is_loopback(h) or any(fnmatch.fnmatchcase(h, t) for t in self.trusted)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"] in self.open:
+            await self.app(scope, receive, send)
+            return
+        host = host_header(scope)
+        if self.allowed(host):
+            await self.app(scope, receive, send)
+            return
+        err = MisdirectedHost(
+            "this service has no API keys and answers only requests addressed to localhost; "
+            "configure keys, or list this name in BATCHSCRIBE_SECURITY__TRUSTED_HOSTS")
+        body = json.dumps(err.body_for(scope["path"])).encode()
+        await send({"type": "http.response.start", "status": err.status_code, "headers": [
+            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        ]})
+        await send({"type": "http.response.body", "body": body})
 
 
 def key_digest(key: str) -> str:
@@ -123,8 +208,11 @@ class ApiKeyMiddleware:
 
 
 def install_security(app: FastAPI, settings: SecuritySettings) -> None:
-    """Add the key check (only when keys are configured) and describe it in the OpenAPI spec."""
+    """Add the key check (only when keys are configured) and describe it in the OpenAPI spec;
+    without keys, the Host check against DNS rebinding."""
     if not settings.api_key_sha256:
+        app.add_middleware(LoopbackHostMiddleware, trusted=settings.trusted_hosts,
+                           open_=open_paths(settings))
         return
     app.add_middleware(ApiKeyMiddleware, keys=KeyRing(settings.api_key_sha256),
                        open_=open_paths(settings))

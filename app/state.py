@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import math
 import time
-from collections import deque
+from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from app.api.feeds import EventHub
 from app.batching.batcher import Batcher
 from app.config import Settings
 from app.engine.device import DeviceMonitor
@@ -15,6 +16,7 @@ from app.engine.placement import EnginePool
 from app.jobs.runner import JobRunner
 from app.jobs.store import JobStore
 from app.metrics import Metrics
+from app.outbound import OutboundGuard
 
 RECENT_SPEED_S = 300.0  # the window "current speed" is measured over
 MIN_BUSY_S = 5.0  # engine time that window needs before it is trusted over the whole run
@@ -31,13 +33,26 @@ class AppState:
     batcher: Batcher
     engine: EnginePool  # the engines (one per GPU) behind the batcher
     monitor: DeviceMonitor
+    outbound: OutboundGuard  # every request to a URL a client named (webhooks, audio_url)
+    feeds: EventHub  # event streams: one store reader per watched job, capped per key
     ready: bool = False
+    # Per API key: audio seconds and jobs admitted whose rows are not committed yet (see
+    # api.limits.admitted), and the last (monotonic time, seconds, jobs) read from the store.
+    key_admitting_s: defaultdict[str | None, float] = field(
+        default_factory=lambda: defaultdict(float))
+    key_admitting_jobs: defaultdict[str | None, int] = field(
+        default_factory=lambda: defaultdict(int))
+    key_load: dict[str | None, tuple[float, float, int]] = field(default_factory=dict)
     extras: dict[str, object] = field(default_factory=dict)
     # (monotonic time, audio processed, engine busy s) at recent Retry-After estimates.
     _speed: deque[tuple[float, float, float]] = field(default_factory=deque)
 
     def retry_after_s(self, excess_audio_s: float) -> int:
-        """Seconds until the backlog has drained by ``excess_audio_s`` at the current speed.
+        """Seconds until the backlog has drained by ``excess_audio_s`` at the current speed."""
+        return max(1, min(3600, math.ceil(excess_audio_s / max(self.speed(), 0.1))))
+
+    def speed(self) -> float:
+        """Audio seconds the service transcribes per wall second now.
 
         Current: over the batches of the last few minutes (the load mix, beam sizes or a
         co-tenant change the speed), falling back to the whole run while those are too few.
@@ -53,8 +68,7 @@ class AppState:
         if busy - busy0 >= MIN_BUSY_S:
             audio, busy = audio - audio0, busy - busy0
         # Throughput in audio s per wall s: per-worker speed times the workers running at once.
-        speed = (audio / busy) * self.engine.workers if busy > 0 else 10.0
-        return max(1, min(3600, math.ceil(excess_audio_s / max(speed, 0.1))))
+        return (audio / busy) * self.engine.workers if busy > 0 else 10.0
 
     def refresh_gauges(self) -> None:
         """Point-in-time gauges read at scrape time (cheap: NVML or /proc, no locks)."""

@@ -156,6 +156,7 @@ class JobOptions:
     min_speakers: int | None = None
     max_speakers: int | None = None
     channels: Channels = "mix"  # separate: each channel transcribed, labelled by channel
+    audio_url: str | None = None  # fetched by the service (recorded without credentials)
 
     def to_dict(self) -> dict[str, object]:
         return asdict(self)

@@ -166,6 +166,7 @@ def test_retry_after_follows_the_current_speed() -> None:
     audio, busy = Counter("a", "", registry=reg), Counter("b", "", registry=reg)
     st = SimpleNamespace(metrics=SimpleNamespace(audio_processed=audio, processing=busy),
                          engine=SimpleNamespace(workers=2), _speed=deque())
+    st.speed = lambda: AppState.speed(st)  # type: ignore[arg-type]
     assert AppState.retry_after_s(st, 100) == 10  # nothing measured yet: assume 10x realtime
     audio.inc(100)
     busy.inc(10)  # 10x realtime per worker, 2 workers: 20 audio s per second

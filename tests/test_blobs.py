@@ -1,22 +1,25 @@
 """Upload storage any replica can read (app/jobs/blobs.py).
 
-The local folder is what tests/test_postgres.py shares between two processes. No S3 server is
-available here (Debian has no MinIO package), so :class:`S3Blobs` runs against an in-memory
-stand-in for the boto3 client: it checks our side of the calls, not an S3 implementation.
+The local folder is what tests/test_postgres.py shares between two processes. :class:`S3Blobs`
+runs through real boto3 against moto's S3 server (``moto[server]``, an S3 API over HTTP on a
+local port), and below behind a whole service: one
+whose blob store is S3 and which fetches ``s3://`` audio_url objects.
 """
 
 from __future__ import annotations
 
-import datetime as dt
 import os
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
 from app.config import StorageSettings
-from app.jobs.blobs import LocalBlobs, S3Blobs, make_blobs
+from app.jobs.blobs import LocalBlobs, S3Blobs, make_blobs, s3_client
+from tests.conftest import Clip, Server, free_port
+from tests.wer import wer
 
 
 def test_local_keys_are_relative_and_old_rows_still_resolve(tmp_path: Path) -> None:
@@ -64,46 +67,117 @@ def test_make_blobs_choices(tmp_path: Path) -> None:
         S3Blobs("s3://", tmp_path, client=object())
 
 
-class FakeS3:
-    """Just the boto3 client calls S3Blobs makes, on a dict."""
-
-    def __init__(self) -> None:
-        self.objects: dict[tuple[str, str], tuple[bytes, dt.datetime]] = {}
-
-    def upload_file(self, filename: str, bucket: str, key: str) -> None:
-        self.objects[bucket, key] = (Path(filename).read_bytes(), dt.datetime.now(dt.UTC))
-
-    def download_file(self, bucket: str, key: str, filename: str) -> None:
-        Path(filename).write_bytes(self.objects[bucket, key][0])
-
-    def delete_object(self, Bucket: str, Key: str) -> None:  # boto3's argument names
-        self.objects.pop((Bucket, Key), None)
-
-    def get_paginator(self, name: str) -> Any:
-        assert name == "list_objects_v2"
-        outer = self
-
-        class Pages:
-            def paginate(self, Bucket: str, Prefix: str) -> list[dict[str, Any]]:
-                return [{"Contents": [{"Key": k, "LastModified": t}
-                                      for (b, k), (_, t) in outer.objects.items()
-                                      if b == Bucket and k.startswith(Prefix)]}]
-        return Pages()
+# ---- S3: real boto3 against moto's S3 server ----------------------------------------------------
+AWS_ENV = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+           "AWS_DEFAULT_REGION": "us-east-1", "AWS_EC2_METADATA_DISABLED": "true"}
 
 
-def test_s3_round_trip_with_a_stand_in_client(tmp_path: Path) -> None:
-    s3 = FakeS3()
-    blobs = S3Blobs("s3://bucket/bs/uploads/", tmp_path / "spool", client=s3)
+@pytest.fixture(scope="module")
+def s3_endpoint() -> Iterator[str]:
+    """moto's S3 API on a local port (``ThreadedMotoServer``): boto3 speaks real HTTP to it."""
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    yield f"http://127.0.0.1:{port}"
+    server.stop()
+
+
+@pytest.fixture
+def aws(monkeypatch: pytest.MonkeyPatch) -> None:
+    for k, v in AWS_ENV.items():
+        monkeypatch.setenv(k, v)
+
+
+def bucket(endpoint: str, name: str) -> Any:
+    client = s3_client(endpoint)
+    client.create_bucket(Bucket=name)
+    return client
+
+
+def test_s3_round_trip(tmp_path: Path, s3_endpoint: str, aws: None) -> None:
+    s3 = bucket(s3_endpoint, "round-trip")
+    blobs = S3Blobs("s3://round-trip/bs/uploads/", tmp_path / "spool", endpoint_url=s3_endpoint)
     spooled = blobs.spool_dir / "job3"
     spooled.write_bytes(b"audio")
     key = blobs.key(spooled)
     blobs.put(key, spooled)
     assert not spooled.exists()  # the bucket holds it; the local spool was only staging
-    assert ("bucket", "bs/uploads/job3") in s3.objects
+    assert s3.get_object(Bucket="round-trip", Key="bs/uploads/job3")["Body"].read() == b"audio"
     local = blobs.fetch(key)
     assert local.read_bytes() == b"audio"
     blobs.release(local)
     assert not local.exists()
-    assert blobs.stale(time.time() + 10) == ["job3"] and blobs.stale(time.time() - 10) == []
+    # The orphan sweep: bucket keys by age (S3's LastModified), local leftovers removed.
+    (blobs.spool_dir / "crashed-mid-upload").write_bytes(b"x")
+    past = time.time() - 1000
+    os.utime(blobs.spool_dir / "crashed-mid-upload", (past, past))
+    assert blobs.stale(time.time() + 10) == ["job3"] and blobs.stale(time.time() - 100) == []
+    assert not (blobs.spool_dir / "crashed-mid-upload").exists()
     blobs.delete(key)
-    assert not s3.objects
+    blobs.delete(key)  # missing is fine
+    assert s3.list_objects_v2(Bucket="round-trip").get("KeyCount", 0) == 0
+
+
+def test_s3_prefix_pages_and_missing_objects(tmp_path: Path, s3_endpoint: str, aws: None) -> None:
+    s3 = bucket(s3_endpoint, "many")
+    for k in range(1005):  # more than one list page (1000 keys)
+        s3.put_object(Bucket="many", Key=f"p/{k:04d}", Body=b"")
+    s3.put_object(Bucket="many", Key="elsewhere/x", Body=b"")
+    blobs = S3Blobs("s3://many/p", tmp_path / "spool", endpoint_url=s3_endpoint)
+    stale = blobs.stale(time.time() + 10)
+    assert len(stale) == 1005 and "0000" in stale and "x" not in stale
+    with pytest.raises(Exception, match=r"404|Not Found|NoSuchKey"):
+        blobs.fetch("never-uploaded")
+
+
+# ---- a service on S3 ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def on_s3(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: str) -> Iterator[Server]:
+    os.environ.update(AWS_ENV)  # for this test process's own boto3 client
+    for name in ("blobs", "media"):
+        bucket(s3_endpoint, name)
+    srv = Server(tmp_path_factory.mktemp("on-s3"), env={
+        **AWS_ENV, "BATCHSCRIBE_STORAGE__BLOB_URL": "s3://blobs/up",
+        "BATCHSCRIBE_STORAGE__S3_ENDPOINT_URL": s3_endpoint,
+        "BATCHSCRIBE_OUTBOUND__S3_BUCKETS": '["media/clips"]',
+    }).start()
+    yield srv
+    srv.terminate()
+
+
+@pytest.mark.model
+def test_a_service_on_an_s3_blob_store(on_s3: Server, s3_endpoint: str, clips: list[Clip]) -> None:
+    clip = next(c for c in clips if c.set == "ljspeech" and c.duration_s > 3)
+    s3 = s3_client(s3_endpoint)
+    with on_s3.client() as c, clip.path.open("rb") as f:
+        r = c.post("/transcribe", params={"wait": "true"}, data={"language": "en"},
+                   files={"file": (clip.path.name, f)})
+    assert r.status_code == 200 and r.json()["status"] == "done", r.text
+    assert wer([clip.reference], [r.json()["result"]["text"]]) < 0.3
+    # The upload went through the bucket and was deleted when the job ended.
+    assert s3.list_objects_v2(Bucket="blobs", Prefix="up/").get("KeyCount", 0) == 0
+
+
+@pytest.mark.model
+def test_s3_audio_url(on_s3: Server, s3_endpoint: str, clips: list[Clip]) -> None:
+    clip = next(c for c in clips if c.set == "ljspeech" and c.duration_s > 3)
+    s3 = s3_client(s3_endpoint)
+    s3.put_object(Bucket="media", Key="clips/talk.flac", Body=clip.path.read_bytes())
+    s3.put_object(Bucket="media", Key="private/talk.flac", Body=clip.path.read_bytes())
+    s3.put_object(Bucket="blobs", Key="up/someone-elses-upload", Body=clip.path.read_bytes())
+    with on_s3.client() as c:
+        r = c.post("/transcribe", params={"wait": "true"},
+                   json={"audio_url": "s3://media/clips/talk.flac", "language": "en"})
+        assert r.status_code == 200 and r.json()["status"] == "done", r.text
+        job = r.json()
+        assert job["options"]["audio_url"] == "s3://media/clips/talk.flac"
+        assert job["filename"] == "talk.flac"
+        assert wer([clip.reference], [job["result"]["text"]]) < 0.3
+        # Not listed, the blob store's own uploads (other tenants' audio), or missing: all 400,
+        # and "missing" reads like "not yours".
+        for url in ("s3://media/private/talk.flac", "s3://blobs/up/someone-elses-upload",
+                    "s3://other-bucket/x.flac", "s3://media/clips/missing.flac", "s3://media", "s3://", "s3:///x"):
+            r = c.post("/transcribe", json={"audio_url": url})
+            assert r.status_code == 400 and r.json()["error"]["field"] == "audio_url", (url, r.text)

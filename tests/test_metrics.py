@@ -34,7 +34,7 @@ from app.engine import EngineInfo
 from app.main import JsonFormatter, create_app
 from app.windows import SAMPLE_RATE
 from loadtest.common import write_wav16
-from tests.conftest import ROOT, Clip, free_port
+from tests.conftest import ROOT, Clip, free_port, need
 from tests.fakes import FakeEngine
 from tests.test_device import FakeNvml, two_gpus
 
@@ -342,9 +342,9 @@ def test_dashboard_is_importable_with_a_datasource_variable() -> None:
         assert want in titles, want
 
 
-@pytest.mark.skipif(shutil.which("promtool") is None, reason="promtool not installed "
-                    "(scripts/test installs the Debian package prometheus)")
 def test_promtool_checks_rules_config_and_alert_unit_tests() -> None:
+    need(shutil.which("promtool"), "promtool not installed (scripts/test installs the Debian "
+         "package prometheus)")
     for args in (["check", "rules", "alerts.yml"], ["test", "rules", "alerts_test.yml"],
                  ["check", "config", "prometheus.yml"]):
         p = subprocess.run(["promtool", *args], cwd=PROM_DIR, capture_output=True, text=True)

@@ -13,14 +13,13 @@ import pytest
 
 from models.provision import default_cache_dir, provision
 from models.registry import KNOWN, VERIFIED_MARKER, ModelUnavailable, resolve
-from tests.conftest import ROOT, free_port
+from tests.conftest import ROOT, free_port, need
 
 MODEL = default_cache_dir() / "whisper-base"
 
 
 def real_model() -> Path:
-    if not (MODEL / VERIFIED_MARKER).is_file():
-        pytest.skip("whisper-base is not provisioned (run scripts/setup.sh)")
+    need((MODEL / VERIFIED_MARKER).is_file(), "whisper-base is not provisioned (run scripts/setup.sh)")
     return MODEL
 
 

@@ -27,7 +27,7 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 
-from tests.conftest import Clip, Server, free_port
+from tests.conftest import Clip, Server, free_port, need
 from tests.test_crash import finished_done, speech_clips, submit, wait_until
 from tests.wer import wer
 
@@ -62,9 +62,8 @@ def _as_postgres(cmd: list[str]) -> list[str]:
 
 @pytest.fixture(scope="module")
 def pg() -> Iterator[PgCluster]:
-    if not PG_BINS:
-        pytest.skip("PostgreSQL server binaries not found (/usr/lib/postgresql/*/bin): "
-                    "apt-get install postgresql (scripts/test does)")
+    need(PG_BINS, "PostgreSQL server binaries not found (/usr/lib/postgresql/*/bin): "
+         "apt-get install postgresql (scripts/test does)")
     bindir = Path(PG_BINS[-1]).parent
     root = Path(tempfile.mkdtemp(prefix="batchscribe-pg-"))
     if os.geteuid() == 0:
@@ -150,6 +149,49 @@ async def test_concurrent_migrations_and_skip_locked_claims(db: str) -> None:
     finally:
         await a.close()
         await b.close()
+
+
+async def test_round_robin_claims_on_postgres(db: str) -> None:
+    from app.jobs.store import JobStore
+    from tests.test_claims import round_robin_order
+
+    store = JobStore(db)
+    try:
+        await store.init()
+        await round_robin_order(store)
+    finally:
+        await store.close()
+
+
+async def test_leases_use_the_database_clock(db: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replica whose clock runs an hour ahead still writes leases that expire on the
+    database's clock: the other replicas do not take its jobs early, nor it theirs late."""
+    import app.jobs.store as store_module
+    from app.jobs.store import JobStore
+
+    store = JobStore(db)
+    try:
+        await store.init()
+        await store.insert(id="j", owner=None, status="queued", created_at=time.time(),
+                           upload_path="j", options={}, audio_seconds=1.0, windows_done=0,
+                           attempts=0)
+
+        class Skewed:
+            @staticmethod
+            def time() -> float:
+                return time.time() + 3600
+
+        monkeypatch.setattr(store_module, "time", Skewed)
+        [job] = await store.claim("fast-clock", 1, 30.0)
+        now = time.time()
+        assert job.lease_expires_at is not None and abs(job.lease_expires_at - (now + 30)) < 5
+        assert job.started_at is not None and abs(job.started_at - now) < 5
+        await store.heartbeat("fast-clock", {}, 1.0)
+        assert await store.requeue_stale(None) == 0  # 1 s left on the database's clock
+        await asyncio.sleep(1.5)
+        assert await store.requeue_stale(None) == 1
+    finally:
+        await store.close()
 
 
 # ---- two service processes --------------------------------------------------------------------
@@ -280,3 +322,21 @@ def test_kill_9_replica_other_finishes_after_lease(make_server: type[Server], tm
     assert not (shared / "uploads" / long_id).exists()
     with pytest.raises(httpx.HTTPError):
         httpx.get(victim.url + "/healthz", timeout=2)  # really gone
+
+
+@pytest.mark.model
+def test_control_characters_in_names_on_postgres(make_server: type[Server], tmp_path: Path,
+                                                 db: str, clips: list[Clip]) -> None:
+    """A NUL in a file name was a 500 here (PostgreSQL text cannot hold one); now it is dropped
+    from the display name and the job runs."""
+    srv = make_server(tmp_path / "shared", env=server_env(db, "replica-a")).start()
+    clip = speech_clips(clips, 1)[0]
+    body = (b'--b\r\nContent-Disposition: form-data; name="file"; filename="a\x00b.wav"\r\n'
+            b"Content-Type: application/octet-stream\r\n\r\n" + clip.path.read_bytes()
+            + b"\r\n--b--\r\n")
+    with srv.client() as c:
+        r = c.post("/transcribe", params={"wait": "true"}, content=body,
+                   headers={"content-type": "multipart/form-data; boundary=b"})
+    assert r.status_code == 200, r.text
+    assert r.json()["filename"] == "ab.wav" and r.json()["status"] == "done"
+    assert rows(db)[r.json()["id"]]["filename"] == "ab.wav"

@@ -21,7 +21,7 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import READ_SPEECH, Clip, Server, free_port
+from tests.conftest import READ_SPEECH, Clip, Server, free_port, need
 from tests.test_metrics import (
     ALERTS,
     DASHBOARD,
@@ -31,11 +31,15 @@ from tests.test_metrics import (
     vad_audio_seconds,
 )
 
-pytestmark = [
-    pytest.mark.model,
-    pytest.mark.skipif(shutil.which("prometheus") is None,
-                       reason="prometheus not installed (scripts/test installs the Debian package)"),
-]
+pytestmark = pytest.mark.model
+
+
+@pytest.fixture(autouse=True)
+def _prometheus_installed() -> None:
+    need(shutil.which("prometheus"), "prometheus not installed (scripts/test installs the Debian "
+         "package)")
+
+
 SCRAPE_S = 1  # scrape interval and timeout: a sample's value was read within 1 s of its timestamp
 MAX_ACTIVE = 2  # jobs the service works on at once: the others wait in the queue (the backlog)
 

@@ -1,4 +1,4 @@
-"""API keys and tenant isolation.
+"""API keys and tenant isolation; without keys, open only on purpose and only to loopback Hosts.
 
 Key A cannot read, cancel or list key B's jobs: every such request is a 404 that looks exactly
 like the 404 for an id that never existed, so ids do not leak. Missing or invalid keys get a
@@ -11,8 +11,11 @@ from __future__ import annotations
 import hashlib
 import os
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from openai import AuthenticationError, OpenAI
@@ -25,7 +28,7 @@ from starlette.testclient import TestClient
 
 from app.config import SecuritySettings, Settings
 from app.security import ApiKeyMiddleware, KeyRing, key_digest, open_paths, owner_of
-from tests.conftest import Clip, Server
+from tests.conftest import ROOT, Clip, Server, free_port
 from tests.test_crash import wait_until
 
 KEY_A = "key-a-7f1c0e1d9b2a4c3e"
@@ -205,3 +208,39 @@ def test_ids_are_random_and_spool_is_cleaned(keyed: Server, short_clip: Clip) ->
         return [f.name for f in spool.iterdir() if f.name != ORPHAN_YOUNG]
 
     assert wait_until(lambda: not left(), 30), left()
+
+
+# ---- open by accident -----------------------------------------------------------------------------
+@pytest.mark.parametrize("host", ["0.0.0.0", "::"])
+def test_no_start_beyond_loopback_without_keys(tmp_path: Path, host: str) -> None:
+    env = {**os.environ, "BATCHSCRIBE_HOST": host, "BATCHSCRIBE_PORT": str(free_port()),
+           "BATCHSCRIBE_STORAGE__DATA_DIR": str(tmp_path)}
+    env.pop("BATCHSCRIBE_SECURITY__API_KEY_SHA256", None)
+    env.pop("BATCHSCRIBE_SECURITY__ALLOW_ANONYMOUS", None)
+    p = subprocess.run([sys.executable, "-m", "app"], cwd=ROOT, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert p.returncode == 2, p.stderr
+    [line] = p.stderr.strip().splitlines()  # one line, naming the settings to use
+    assert "BATCHSCRIBE_SECURITY__API_KEY_SHA256" in line
+    assert "BATCHSCRIBE_SECURITY__ALLOW_ANONYMOUS=true" in line
+
+
+@pytest.mark.model
+def test_keyless_mode_serves_only_loopback_host_headers(server: Server) -> None:
+    """A page that rebinds its own name to 127.0.0.1 still sends that name as Host."""
+    port = server.port
+    with server.client() as c:
+        for host in ("attacker.example", f"attacker.example:{port}", "10.0.0.5", "[fe80::1]"):
+            r = c.get("/jobs", headers={"Host": host})
+            assert r.status_code == 421 and r.json()["error"]["type"] == "host_not_allowed", host
+            assert r.headers["x-should-retry"] == "false"
+        for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"[::1]:{port}"):
+            assert c.get("/jobs", headers={"Host": host}).status_code == 200, host
+        assert c.get("/healthz", headers={"Host": "10.1.2.3:8000"}).status_code == 200  # probes
+
+
+@pytest.mark.model
+def test_keys_make_the_host_header_irrelevant(keyed: Server) -> None:
+    with keyed.client() as c:
+        r = c.get("/jobs", headers={"Host": "transcribe.example.com", **bearer(KEY_A)})
+    assert r.status_code == 200

@@ -1,4 +1,6 @@
-"""Webhooks: signing, durable at-least-once delivery with backoff, and end to end on the model."""
+"""Webhooks: signing, durable at-least-once delivery with backoff, the outbound guard on every
+attempt (submit-time and connect-time checks, deadline, bounded reads), and end to end on the
+model."""
 
 from __future__ import annotations
 
@@ -18,11 +20,13 @@ import httpx
 import pytest
 from pydantic import SecretStr
 
-from app.config import WebhookSettings
+from app.config import OutboundSettings, Settings, WebhookSettings
 from app.errors import BadRequest
 from app.jobs.store import JobStore
 from app.jobs.webhooks import WebhookDispatcher, check_callback_url, sign, verify
+from app.outbound import OutboundGuard
 from tests.conftest import READ_SPEECH, Clip, Server
+from tests.test_outbound import PUBLIC, stub
 
 SECRET = "test-webhook-secret"
 
@@ -108,28 +112,40 @@ def test_sign_and_verify() -> None:
     assert not verify(SECRET, body, None, sig) and not verify(SECRET, body, "soon", sig)
 
 
-def test_callback_url_checks() -> None:
+async def test_callback_url_checks() -> None:
     on = WebhookSettings(secret=SecretStr(SECRET))
-    assert check_callback_url(on, " https://example.com/h ") == "https://example.com/h"
-    assert check_callback_url(on, "") is None
-    for bad in ("ftp://example.com/h", "/relative", "http://"):
+    public = OutboundGuard(OutboundSettings(), resolver=stub([PUBLIC]))
+    assert await check_callback_url(on, public, " https://example.com/h ") == "https://example.com/h"
+    assert await check_callback_url(on, public, "") is None
+    for bad in ("ftp://example.com/h", "/relative", "http://", "http://exa mple.com/",
+                "http://example.com/\x00"):
         with pytest.raises(BadRequest):
-            check_callback_url(on, bad)
+            await check_callback_url(on, public, bad)
     with pytest.raises(BadRequest, match="off"):
-        check_callback_url(WebhookSettings(), "https://example.com/h")
+        await check_callback_url(WebhookSettings(), public, "https://example.com/h")
+    await public.aclose()
 
 
-def test_callback_url_allow_list() -> None:
-    listed = WebhookSettings(secret=SecretStr(SECRET),
-                             allowed_hosts=["hooks.example.com", ".corp.example"])
+async def test_callback_url_allow_list_and_its_old_name() -> None:
+    """webhooks.allowed_hosts (the old setting) still works: it joins outbound.allowed_hosts."""
+    settings = Settings(webhooks={"secret": SECRET,  # type: ignore[arg-type]
+                                  "allowed_hosts": ["hooks.example.com", ".corp.example"]})
+    assert settings.outbound.allowed_hosts == ["hooks.example.com", ".corp.example"]
+    listed = OutboundGuard(settings.outbound, resolver=stub([PUBLIC]))
     for ok in ("https://hooks.example.com/h", "https://HOOKS.example.com./h",
                "https://corp.example/h", "http://a.b.corp.example:8080/h"):
-        assert check_callback_url(listed, ok) == ok
+        assert await check_callback_url(settings.webhooks, listed, ok) == ok
     for bad in ("https://example.com/h", "https://evil-hooks.example.com/h",
                 "https://hooks.example.com.evil.net/h", "https://xcorp.example/h",
                 "http://169.254.169.254/latest/meta-data", "http://127.0.0.1:8000/h"):
         with pytest.raises(BadRequest, match="not allowed"):
-            check_callback_url(listed, bad)
+            await check_callback_url(settings.webhooks, listed, bad)
+    await listed.aclose()
+
+
+def local_guard() -> OutboundGuard:
+    """The receivers here listen on 127.0.0.1, which the guard refuses unless listed."""
+    return OutboundGuard(OutboundSettings(allowed_hosts=["127.0.0.1"]))
 
 
 # ---- the dispatcher on a real store, no model --------------------------------------------------
@@ -152,7 +168,8 @@ async def until(store: JobStore, job_id: str, statuses: tuple[str, ...], limit: 
 async def test_dispatcher_retries_then_delivers_once(tmp_path: Path, receiver: Receiver) -> None:
     store = JobStore(f"sqlite+aiosqlite:///{tmp_path / 'jobs.db'}")
     await store.init()
-    hooks = WebhookDispatcher(WebhookSettings(secret=SecretStr(SECRET), backoff_s=0.05), store)
+    hooks = WebhookDispatcher(WebhookSettings(secret=SecretStr(SECRET), backoff_s=0.05), store,
+                              local_guard())
     hooks.start()
     try:
         await new_job(store, "j-failed", receiver.url)
@@ -174,6 +191,7 @@ async def test_dispatcher_retries_then_delivers_once(tmp_path: Path, receiver: R
         assert not receiver.for_job("j-cancelled") and (await store.get("j-nourl")).webhook_status is None
     finally:
         await hooks.stop()
+        await hooks.guard.aclose()
         await store.close()
 
 
@@ -182,7 +200,8 @@ async def test_dispatcher_gives_up_after_max_attempts(tmp_path: Path, receiver: 
     store = JobStore(f"sqlite+aiosqlite:///{tmp_path / 'jobs.db'}")
     await store.init()
     hooks = WebhookDispatcher(
-        WebhookSettings(secret=SecretStr(SECRET), backoff_s=0.02, max_attempts=3), store)
+        WebhookSettings(secret=SecretStr(SECRET), backoff_s=0.02, max_attempts=3), store,
+        local_guard())
     hooks.start()
     try:
         await new_job(store, "j1", receiver.url)
@@ -193,6 +212,7 @@ async def test_dispatcher_gives_up_after_max_attempts(tmp_path: Path, receiver: 
         assert len(receiver.for_job("j1")) == 3
     finally:
         await hooks.stop()
+        await hooks.guard.aclose()
         await store.close()
 
 
@@ -207,13 +227,15 @@ async def test_pending_delivery_resumes_with_a_new_dispatcher(tmp_path: Path,
     await store.close()
     store = JobStore(url)
     await store.init()
-    hooks = WebhookDispatcher(WebhookSettings(secret=SecretStr(SECRET), backoff_s=0.05), store)
+    hooks = WebhookDispatcher(WebhookSettings(secret=SecretStr(SECRET), backoff_s=0.05), store,
+                              local_guard())
     hooks.start()
     try:
         await until(store, "j1", ("delivered",))
         assert [h.status for h in receiver.for_job("j1")] == [500, 200]
     finally:
         await hooks.stop()
+        await hooks.guard.aclose()
         await store.close()
 
 

@@ -8,7 +8,7 @@ from typing import Annotated
 from fastapi import Form, Query, Request
 from fastapi.responses import JSONResponse
 
-from app.errors import NotFound, NotReady
+from app.errors import NotFound, NotReady, public_error
 from app.formats import LINE_CHARS, CueOptions
 from app.jobs.store import TERMINAL, JobRow
 from app.schemas import Job, Progress, Transcription, WebhookState
@@ -59,7 +59,7 @@ def to_job(row: JobRow, st: AppState, base: str = "") -> Job:
         audio_seconds=row.audio_seconds, queue_wait_s=row.queue_wait_s,
         processing_s=row.processing_s, rtf=rtf,
         result=Transcription.model_validate(row.result) if row.result else None,
-        error=row.error, webhook=webhook_state(row),
+        error=public_error(row.error), webhook=webhook_state(row),
     )
 
 

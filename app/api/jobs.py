@@ -9,7 +9,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from app.api.deps import Caller, caller, cue_query, load_job, state, to_job
 from app.api.limits import GATE_MAX_AGE_S
-from app.errors import BadRequest, Conflict
+from app.errors import BadRequest, Conflict, public_error
 from app.formats import MEDIA_TYPES, CueOptions, Format, render
 from app.schemas import ErrorBody, Job, JobList
 from app.state import AppState
@@ -74,7 +74,7 @@ async def get_result(
     job = await load_job(st, job_id, who)
     if job.status != "done" or job.result is None:
         raise Conflict(f"job {job_id} is {job.status}; the result exists once it is done",
-                       status=job.status, error=job.error)
+                       status=job.status, error=public_error(job.error))
     if format == "json":
         return JSONResponse(job.result)
     return PlainTextResponse(render(job.result, format, cue), media_type=MEDIA_TYPES[format])

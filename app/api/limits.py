@@ -17,13 +17,17 @@ the body") before any handler sees it. So the guard remembers that it cut the bo
 replaces whatever response the app then starts with the 413.
 
 Backlog: an upload is admitted only if its audio fits under ``limits.max_backlog_s`` of queued
-audio, else 429 with ``Retry-After`` (:func:`admitted`); while the backlog is already full,
-:class:`BacklogGate` answers 429 before reading the body at all.
+audio and, with API keys, under its key's share (``limits.max_queued_s_per_key`` and
+``max_queued_jobs_per_key``), else 429 with ``Retry-After`` naming the limit (:func:`admitted`).
+Every job costs at least one padded window (``Settings.min_job_s``): a 0.1 s clip is encoded as
+a 10 s window, so it is counted as one. While the backlog is already full, :class:`BacklogGate`
+answers 429 before reading the body at all.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -36,6 +40,7 @@ from app.state import AppState
 
 # Multipart boundaries, part headers and the small form fields (initial_prompt <= 1000 chars).
 MULTIPART_SLACK = 64 * 1024
+KEY_CACHE_MAX = 4096  # keys whose recent load the pre-body gate remembers
 
 
 def too_large(limit: int, received: int | None = None) -> PayloadTooLarge:
@@ -140,28 +145,88 @@ async def admit(st: AppState, audio_s: float, max_age_s: float = 0.0) -> None:
             f"the queue holds {backlog:.0f} s of audio (limit {limit:.0f} s); "
             f"retry in about {retry} s", headers={"Retry-After": str(retry)},
             retry_after_s=retry, backlog_s=round(backlog, 1), limit_s=limit,
+            limit="max_backlog_s",
         )
 
 
+async def key_load(st: AppState, owner: str | None, max_age_s: float = 0.0) -> tuple[float, int]:
+    """One key's queued + running audio seconds (each job at least ``min_job_s``) and jobs,
+    including admissions not committed yet; a store answer up to ``max_age_s`` old may do."""
+    now = time.monotonic()
+    cached = st.key_load.get(owner)
+    if max_age_s > 0 and cached is not None and now - cached[0] <= max_age_s:
+        seconds, jobs = cached[1], cached[2]
+    else:
+        seconds, jobs = await st.store.owner_load(owner)
+        st.key_load[owner] = (now, seconds, jobs)
+        if len(st.key_load) > KEY_CACHE_MAX:  # keys come and go: keep the newest answers
+            for k in sorted(st.key_load, key=lambda k: st.key_load[k][0])[:KEY_CACHE_MAX // 2]:
+                del st.key_load[k]
+    return seconds + st.key_admitting_s[owner], jobs + st.key_admitting_jobs[owner]
+
+
+async def admit_key(st: AppState, owner: str | None, cost_s: float, max_age_s: float = 0.0) -> None:
+    """429 (Retry-After, naming the limit) when this API key already holds its share: so one
+    key flooding the service cannot fill the global backlog and push every other key into
+    429s. Only with keys configured: without them every caller is the one tenant."""
+    if not st.settings.security.api_key_sha256:
+        return
+    lim = st.settings.limits
+    seconds, jobs = await key_load(st, owner, max_age_s)
+    if jobs + 1 > lim.max_queued_jobs_per_key:
+        retry = st.retry_after_s(st.settings.min_job_s())
+        st.metrics.rejected.labels("key_jobs").inc()
+        raise Overloaded(
+            f"this API key has {jobs} jobs queued or running (limit "
+            f"{lim.max_queued_jobs_per_key} per key); retry in about {retry} s",
+            headers={"Retry-After": str(retry)}, retry_after_s=retry,
+            limit="max_queued_jobs_per_key", limit_jobs=lim.max_queued_jobs_per_key, jobs=jobs)
+    if seconds + cost_s > lim.max_queued_s_per_key:
+        retry = st.retry_after_s(seconds + cost_s - lim.max_queued_s_per_key)
+        st.metrics.rejected.labels("key_audio").inc()
+        raise Overloaded(
+            f"this API key has {seconds:.0f} s of audio queued or running (limit "
+            f"{lim.max_queued_s_per_key:.0f} s per key); retry in about {retry} s",
+            headers={"Retry-After": str(retry)}, retry_after_s=retry,
+            limit="max_queued_s_per_key", limit_s=lim.max_queued_s_per_key,
+            queued_s=round(seconds, 1))
+
+
+def cost_of(st: AppState, audio_s: float) -> float:
+    """What a job costs in every budget: its audio, but at least one padded window."""
+    return max(audio_s, st.settings.min_job_s())
+
+
 @asynccontextmanager
-async def admitted(st: AppState, audio_s: float) -> AsyncIterator[None]:
-    """Admit ``audio_s`` (or raise 429) and count it in the backlog until the job is committed.
+async def admitted(st: AppState, audio_s: float, owner: str | None = None) -> AsyncIterator[None]:
+    """Admit a job of ``audio_s`` for ``owner`` (or raise 429) and count it in the backlogs
+    until the job is committed.
 
     Uploads arriving together would otherwise all read the same backlog from the store and all
     fit. Checks run one at a time, each seeing the reservations of those before it; the commits
     (an S3 put each, with that blob store) run outside the lock.
     """
+    cost = cost_of(st, audio_s)
     async with st.runner.admission:
-        await admit(st, audio_s)
-        st.runner.admitting_s += audio_s
+        await admit_key(st, owner, cost)
+        await admit(st, cost)
+        st.runner.admitting_s += cost
+        st.key_admitting_s[owner] += cost
+        st.key_admitting_jobs[owner] += 1
     try:
         yield
     finally:
-        st.runner.admitting_s -= audio_s
+        st.runner.admitting_s -= cost
+        st.key_admitting_s[owner] -= cost
+        st.key_admitting_jobs[owner] -= 1
+        if st.key_admitting_jobs[owner] <= 0:
+            del st.key_admitting_s[owner], st.key_admitting_jobs[owner]
+        st.key_load.pop(owner, None)  # the committed job is in the store: read it next time
 
 
 class BacklogGate:
-    """An upload (``GATED_PATHS``) while the backlog is already full: 429 before the body is read.
+    """An upload (``GATED_PATHS``) while the backlog (or the caller's key's share) is already
+    full: 429 before the body is read.
 
     In a burst the rejected clients then cost a header each, not an upload spooled to disk and
     probed only to be refused. The exact check (with the upload's duration) is in the endpoint.
@@ -174,8 +239,11 @@ class BacklogGate:
         if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GATED_PATHS:
             st: AppState | None = getattr(scope["app"].state, "bs", None)
             if st is not None and st.ready:
+                owner = scope.get("state", {}).get("owner")  # set by the API key check
                 try:
-                    await admit(st, MIN_UPLOAD_S, GATE_MAX_AGE_S)
+                    cost = cost_of(st, MIN_UPLOAD_S)
+                    await admit_key(st, owner, cost, GATE_MAX_AGE_S)
+                    await admit(st, cost, GATE_MAX_AGE_S)
                 except Overloaded as exc:
                     await send_error(send, exc, scope["path"])
                     return

@@ -7,6 +7,14 @@ of a synchronous call (the OpenAI client would retry and pay twice). Errors on t
 OpenAI's shape ``{"error": {"message", "type", "param", "code"}}``; the rest of the API keeps
 :mod:`app.errors`' shape.
 
+Clients that retry: the OpenAI SDK resends the whole upload on 408/409/429/5xx and on its own
+600 s time-out, unless the answer says ``x-should-retry: false``. So every answer no retry can
+change says so (a job that failed on its audio answers with that error's 4xx, as the upload
+check would have); the request is answered within ``limits.openai_wait_s`` (540 s), and audio
+too long to finish in that time at the current speed is refused up front (413, naming
+``POST /transcribe``); a job still running at the deadline is cancelled, never left running
+behind a 504 while the SDK uploads it again.
+
 Segments: verbose_json, srt and vtt are decoded with word alignment, so segments are sentences
 (OpenAI-like, subtitle-sized) instead of whole 30 s windows; words are returned only when
 ``timestamp_granularities[]`` asks for them.
@@ -31,7 +39,14 @@ from starlette.routing import Match
 from app.api import idempotency, openai_stream
 from app.api.deps import Caller, caller, cue_form, ready_state, state
 from app.api.transcribe import HOTWORDS_HELP, accept_upload, decode_options
-from app.errors import BadRequest, ServiceError, openai_body
+from app.errors import (
+    BadRequest,
+    PayloadTooLarge,
+    ServiceError,
+    openai_body,
+    public_error,
+    status_of,
+)
 from app.formats import MEDIA_TYPES, CueOptions, render
 from app.jobs.store import TERMINAL, JobRow
 from app.state import AppState
@@ -103,7 +118,7 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 SUBTITLES = {"content": {MEDIA_TYPES[f]: {"schema": {"type": "string"}} for f in ("text", "srt", "vtt")}
              | {"text/event-stream": {"schema": {"type": "string"}}}}  # issue 21: stream=true
 AUDIO_RESPONSES = {200: {"model": OpenAITranscription, **SUBTITLES},
-                   **_errors(400, 404, 409, 413, 415, 422, 429, 500, 503, 504)}
+                   **_errors(400, 404, 409, 413, 415, 422, 429, 500, 502, 503, 504)}
 
 
 def openai_error(status: int, message: str, *, code: str | None = None, param: str | None = None,
@@ -226,12 +241,15 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
         raise BadRequest("stream=true needs response_format json or text", field="stream")
     aligned = fmt in ("verbose_json", "srt", "vtt")
     options = decode_options(st, language, task, None, prompt, temperature, aligned, hotwords)
+    wait_s = min(st.settings.limits.sync_timeout_s, st.settings.limits.openai_wait_s)
     first = await idempotency.find(st, who.owner, key) if key else None
-    job_id = first.id if first else await accept_upload(st, file, options, who, idempotency_key=key)
-    if stream:  # issue 21
+    job_id = first.id if first else await accept_upload(
+        st, file, options, who, check=None if stream else lambda s: _fits(st, s, wait_s),
+        idempotency_key=key)
+    if stream:  # issue 21: no deadline, the client sees text as windows finish
         return openai_stream.stream_response(st, job_id, {"X-Batchscribe-Job-Id": job_id})
     # With a key the job outlives this request: the client's retry (same key) collects it.
-    row = await _wait(request, st, job_id, cancel_if_gone=key is None)
+    row = await _wait(request, st, job_id, wait_s, cancel_if_gone=key is None)
     headers = {"X-Batchscribe-Job-Id": job_id}
     if first is not None:
         headers[idempotency.REPLAYED] = "true"
@@ -242,6 +260,15 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
             await st.runner.cancel(row)
         return openai_error(503, "the service is restarting; retry the request",
                             code="shutting_down", headers={**headers, "Retry-After": "1"})
+    if row is not None and row.status not in TERMINAL:
+        # Nobody can collect a synchronous answer later, and the SDK would upload the file
+        # again after its own time-out: the job is cancelled, the answer says where to go.
+        await st.runner.cancel(row)
+        return openai_error(
+            504, f"the transcription did not finish within {wait_s:.0f} s, this service's "
+            "limit for a synchronous /v1 request (under the OpenAI SDK's 600 s time-out); it "
+            "was cancelled. Send long audio to POST /transcribe and poll GET /jobs/{id}.",
+            code="sync_timeout", headers={**headers, "x-should-retry": "false"})
     if row is None or row.status != "done" or row.result is None:
         return _unfinished(job_id, row, headers)
     result = row.result
@@ -252,11 +279,26 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
     return PlainTextResponse(render(result, fmt, cue), media_type=MEDIA_TYPES[fmt], headers=headers)
 
 
-async def _wait(request: Request, st: AppState, job_id: str,
+SPEED_MARGIN = 0.8  # of the measured speed: the estimate must not promise what it cannot keep
+
+
+def _fits(st: AppState, audio_s: float, wait_s: float) -> None:
+    """413 (no retry can fix it) for audio the service cannot transcribe within ``wait_s`` at
+    its current speed: refused before it runs, not after the client waited for nothing."""
+    most = wait_s * st.speed() * SPEED_MARGIN
+    if audio_s > most:
+        raise PayloadTooLarge(
+            f"{audio_s:.0f} s of audio is more than this service transcribes within {wait_s:.0f} s "
+            f"(its limit for a synchronous /v1 request, at about {most:.0f} s of audio now); send "
+            "it to POST /transcribe and poll GET /jobs/{id}, or ask for stream=true",
+            limit_s=round(most, 1), duration_s=round(audio_s, 3), field="file")
+
+
+async def _wait(request: Request, st: AppState, job_id: str, wait_s: float,
                 cancel_if_gone: bool = True) -> JobRow | None:
-    """Wait for the job; stop waiting as soon as the client disconnects, and then cancel the job
-    unless ``cancel_if_gone`` is off."""
-    waiting = asyncio.create_task(st.runner.wait(job_id, st.settings.limits.sync_timeout_s))
+    """Wait for the job (at most ``wait_s``); stop waiting as soon as the client disconnects,
+    and then cancel the job unless ``cancel_if_gone`` is off."""
+    waiting = asyncio.create_task(st.runner.wait(job_id, wait_s))
     gone = asyncio.create_task(_disconnected(request))
     try:
         await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -278,14 +320,17 @@ async def _disconnected(request: Request) -> None:
 
 
 def _unfinished(job_id: str, row: JobRow | None, headers: dict[str, str]) -> Response:
+    """A job that ended without a transcript. Sending the same audio again gives the same
+    answer (audio found undecodable while it was prepared is a 4xx, as at upload), so no
+    retry: the SDK would otherwise make a new job per retry."""
+    final = {**headers, "x-should-retry": "false"}
     if row is not None and row.status == "failed":
-        err = row.error or {}
-        return openai_error(500, str(err.get("message", "transcription failed")),
-                            code=str(err.get("type", "transcription_failed")), headers=headers)
-    if row is not None and row.status == "cancelled":
-        return openai_error(409, f"job {job_id} was cancelled", code="cancelled", headers=headers)
-    return openai_error(504, f"the transcription is still running; it continues as job {job_id} "
-                        f"(GET /jobs/{job_id})", code="timeout", headers=headers)
+        err = public_error(row.error) or {}
+        kind = str(err.get("type", "internal_error"))
+        return openai_error(status_of(kind), str(err.get("message", "transcription failed")),
+                            code=kind, headers=final)
+    gone = "was cancelled" if row is not None else "no longer exists"
+    return openai_error(409, f"job {job_id} {gone}", code="cancelled", headers=final)
 
 
 def verbose_json(result: dict[str, Any], task: str, words: bool) -> dict[str, Any]:

@@ -1,8 +1,13 @@
-"""POST /transcribe: spool the upload, validate it, commit the job, answer 202 (or wait)."""
+"""POST /transcribe: spool the upload (or fetch audio_url), validate it, commit the job, answer
+202 (or wait). The body is a multipart form, or the same fields as a JSON object with an
+``audio_url`` (app/api/json_form.py)."""
 
 from __future__ import annotations
 
+import os
+import unicodedata
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -13,18 +18,20 @@ from starlette.concurrency import run_in_threadpool
 from app import audio
 from app.api import idempotency
 from app.api.deps import Caller, caller, job_answer, ready_state
+from app.api.json_form import JsonFormRoute
 from app.api.limits import admitted
-from app.errors import BadRequest, InvalidAudio, PayloadTooLarge
+from app.errors import BadRequest, InvalidAudio, PayloadTooLarge, ServiceError
 from app.jobs.runner import new_job_id
 from app.jobs.webhooks import check_callback_url
+from app.remote import fetch_audio
 from app.schemas import ErrorBody, Job
 from app.state import AppState
 from app.windows import JobOptions
 
-router = APIRouter(tags=["transcription"])
+router = APIRouter(tags=["transcription"], route_class=JsonFormRoute)
 
 ERRORS: dict[int | str, dict[str, object]] = {
-    code: {"model": ErrorBody} for code in (400, 413, 415, 422, 429, 503)
+    code: {"model": ErrorBody} for code in (400, 413, 415, 422, 429, 502, 503)
 }
 
 
@@ -58,7 +65,9 @@ def decode_options(st: AppState, language: str | None, task: str, beam_size: int
 
 
 def spool_upload(src: UploadFile, dest: Path, max_bytes: int) -> int:
-    """Copy the (already disk-spooled) upload under our own name, enforcing the size limit."""
+    """Copy the (already disk-spooled) upload under our own name, enforcing the size limit.
+    fsynced: the job row that will point at it is committed only after (blobs.put syncs the
+    folder)."""
     size = 0
     with dest.open("wb") as out:
         while block := src.file.read(1 << 20):
@@ -67,32 +76,66 @@ def spool_upload(src: UploadFile, dest: Path, max_bytes: int) -> int:
                 raise PayloadTooLarge(f"upload exceeds the limit of {max_bytes} bytes",
                                       limit_bytes=max_bytes)
             out.write(block)
+        out.flush()
+        os.fsync(out.fileno())
     return size
 
 
-async def accept_upload(st: AppState, file: UploadFile, options: JobOptions,
+KEPT_FORMAT_CHARS = frozenset("\u200c\u200d")  # zero-width (non-)joiners: parts of emoji and scripts
+
+
+def clean_name(name: str | None) -> str | None:
+    """A client's file name as a display name: control characters (NUL gave a 500 on
+    PostgreSQL), unpaired surrogates (not encodable) and invisible format characters (e.g.
+    right-to-left overrides, which disguise a name) removed; at most 255 characters."""
+    if not name:
+        return None
+    kept = "".join(c for c in name if unicodedata.category(c) not in ("Cc", "Cs", "Cf")
+                   or c in KEPT_FORMAT_CHARS)
+    return kept.strip()[:255] or None
+
+
+async def accept_upload(st: AppState, file: UploadFile | None, options: JobOptions,
                         who: Caller, callback_url: str | None = None,
+                        audio_url: str | None = None,
+                        check: Callable[[float], None] | None = None,
                         idempotency_key: str | None = None,
                         spool: Spool = spool_upload) -> str:
-    """Spool + probe + backpressure + commit. Returns the job id (the row is committed): the new
-    job's, or the first job's when another request with the same Idempotency-Key committed first.
+    """Spool (or fetch ``audio_url``) + probe + backpressure + commit. Returns the job id (the row
+    is committed): the new job's, or the first job's when another request with the same
+    Idempotency-Key committed first. ``check(duration_s)`` may refuse the upload after the probe.
 
     ``spool`` copies the upload to its spool path and returns the bytes written (raw PCM uploads
     of the whisper-asr-webservice API are wrapped in a WAV header on the way: app/api/asr.py)."""
-    callback_url = check_callback_url(st.settings.webhooks, callback_url)  # before any spooling
+    audio_url = (audio_url or "").strip() or None
+    if (file is None) == (audio_url is None):
+        raise MissingInput("send the audio as a multipart 'file' or name it in 'audio_url' "
+                           "(one of the two)", field="file")
+    # Both URL checks come before any byte is spooled or fetched.
+    callback_url = await check_callback_url(st.settings.webhooks, st.outbound, callback_url)
     job_id = new_job_id()
     # The client's file name is display-only; the spool path is our random id.
     dest = st.spool_dir / job_id
     try:
-        size = await run_in_threadpool(spool, file, dest, st.settings.limits.max_upload_bytes)
+        if file is not None:
+            size = await run_in_threadpool(spool, file, dest, st.settings.limits.max_upload_bytes)
+            filename = clean_name(file.filename)
+        else:
+            assert audio_url is not None
+            fetched = await fetch_audio(st.settings, st.outbound, audio_url, dest)
+            size, filename = fetched.size, clean_name(fetched.filename)
+            options = replace(options, audio_url=fetched.url)
         if size == 0:
             raise InvalidAudio("the uploaded file is empty")
         info = await run_in_threadpool(audio.probe, dest, st.settings.limits.max_audio_s)
-        async with admitted(st, info.duration_s):  # 429 past the backlog bound
+        if check is not None:
+            check(info.duration_s)
+        job_options = options
+        async with admitted(st, info.duration_s, who.owner):  # 429 past the backlog bounds
             first = await idempotency.commit(
                 st, who.owner, idempotency_key,
-                lambda key: st.runner.submit(job_id, dest, (file.filename or "")[:255] or None,
-                                             options, info.duration_s, who.owner, callback_url,
+                lambda key: st.runner.submit(job_id, dest, filename, job_options,
+                                             info.duration_s, who.owner, callback_url,
                                              idempotency_key=key))
     except BaseException:
         dest.unlink(missing_ok=True)
@@ -104,10 +147,16 @@ async def accept_upload(st: AppState, file: UploadFile, options: JobOptions,
     return job_id
 
 
+class MissingInput(ServiceError):
+    status_code = 422
+    error_type = "invalid_request"
+
+
 @router.post("/transcribe", status_code=202, response_model=Job, responses=ERRORS)
 async def transcribe(
     request: Request,
-    file: Annotated[UploadFile, File(description="Audio: wav, flac, mp3, ogg, m4a, webm.")],
+    file: Annotated[UploadFile | None, File(
+        description="Audio: wav, flac, mp3, ogg, m4a, webm. Or audio_url instead.")] = None,
     language: Annotated[str | None, Form(description="ISO 639-1; detected when absent.")] = None,
     language_detection: Annotated[Literal["per_upload", "per_window"], Form(
         description="Without a language: per_upload (the first speech decides for the whole "
@@ -122,6 +171,11 @@ async def transcribe(
     callback_url: Annotated[str | None, Form(
         max_length=2048, description="POSTed the signed job summary when it ends (webhooks on).",
     )] = None,
+    audio_url: Annotated[str | None, Form(
+        max_length=2048, description="Instead of a file: an http(s):// or s3:// URL the service "
+        "fetches (size and duration limits apply while it streams; private addresses only where "
+        "the operator allows them).",
+    )] = None,
     wait: Annotated[bool, Query(description="Answer with the finished job (200).")] = False,
     idempotency_key: idempotency.KeyHeader = None,
     st: AppState = Depends(ready_state),
@@ -131,6 +185,6 @@ async def transcribe(
     key = idempotency.parse_key(idempotency_key)
     options = decode_options(st, language, task, beam_size, initial_prompt, temperature,
                              word_timestamps, hotwords, language_detection)
-    job_id = await accept_upload(st, file, options, who, callback_url, key)
+    job_id = await accept_upload(st, file, options, who, callback_url, audio_url,
+                                 idempotency_key=key)
     return await job_answer(st, job_id, wait)
-

@@ -17,6 +17,7 @@ Every method blocks (disk or network): callers run them on a worker thread.
 from __future__ import annotations
 
 import logging
+import os
 import shutil
 import time
 from pathlib import Path
@@ -74,10 +75,15 @@ class LocalBlobs:
             return spooled.name  # spooled elsewhere: put() moves it under the root
 
     def put(self, key: str, spooled: Path) -> None:
+        """Durable before the job row commits: the file's bytes were fsynced when it was
+        written; here its directory entry is (after a move, the file again too), so a power
+        loss cannot leave a committed job without its upload."""
         dest = self.path(key)
         if spooled.resolve() != dest.resolve():
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.move(spooled, dest)
+            fsync_path(dest)
+        fsync_path(dest.parent)
 
     def fetch(self, key: str) -> Path:
         return self.path(key)
@@ -99,26 +105,37 @@ class LocalBlobs:
         return out
 
 
+def s3_location(url: str) -> tuple[str, str]:
+    """``s3://bucket/a/b`` -> ("bucket", "a/b"); ValueError for anything else."""
+    u = urlparse(url)
+    if u.scheme != "s3" or not u.netloc:
+        raise ValueError(f"not an s3://bucket/key URL: {url!r}")
+    return u.netloc, u.path.lstrip("/")
+
+
+def s3_client(endpoint_url: str = "", config: Any = None) -> Any:
+    """A boto3 S3 client on the usual AWS_* credentials (boto3 is imported only here)."""
+    try:
+        import boto3
+    except ImportError as exc:
+        raise RuntimeError("s3:// storage needs boto3 (pip install boto3)") from exc
+    return boto3.client("s3", endpoint_url=endpoint_url or None, config=config)
+
+
 class S3Blobs:
-    """S3-compatible object storage. Not exercised by the test suite (no S3 server here)."""
+    """S3-compatible object storage (tested against moto's S3 server, tests/test_blobs.py)."""
 
     def __init__(self, url: str, spool_dir: Path, endpoint_url: str = "",
                  client: Any | None = None) -> None:
-        u = urlparse(url)
-        if u.scheme != "s3" or not u.netloc:
-            raise ValueError(f"blob_url must look like s3://bucket/prefix, not {url!r}")
-        self.bucket = u.netloc
-        self.prefix = u.path.strip("/") + "/" if u.path.strip("/") else ""
+        try:
+            self.bucket, prefix = s3_location(url)
+        except ValueError:
+            raise ValueError(f"blob_url must look like s3://bucket/prefix, not {url!r}") from None
+        self.prefix = prefix.strip("/") + "/" if prefix.strip("/") else ""
         self.spool_dir = spool_dir
         self._fetch_dir = spool_dir / ".fetch"
         self._fetch_dir.mkdir(parents=True, exist_ok=True)
-        if client is None:
-            try:
-                import boto3
-            except ImportError as exc:
-                raise RuntimeError("blob_url is s3://...: install boto3 (pip install boto3)") from exc
-            client = boto3.client("s3", endpoint_url=endpoint_url or None)
-        self._s3 = client
+        self._s3 = client if client is not None else s3_client(endpoint_url)
 
     def key(self, spooled: Path) -> str:
         return spooled.name  # the job id: random, unique
@@ -165,6 +182,15 @@ def make_blobs(storage: StorageSettings) -> BlobStore:
     if url.startswith("file://"):
         url = urlparse(url).path
     return LocalBlobs(Path(url) if url else storage.data_dir / "uploads")
+
+
+def fsync_path(path: Path) -> None:
+    """fsync a file's bytes or a directory's entries."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _unlink(path: Path) -> None:

@@ -23,14 +23,13 @@ import json
 import logging
 import time
 from typing import Any
-from urllib.parse import urlsplit
 
-import httpx
 import sqlalchemy as sa
 
 from app.config import WebhookSettings
-from app.errors import BadRequest
-from app.jobs.store import JobRow, JobStore, claim_rows, jobs
+from app.errors import BadRequest, public_error
+from app.jobs.store import JobRow, JobStore, claim_rows, db_now, jobs
+from app.outbound import OutboundError, OutboundGuard
 
 log = logging.getLogger(__name__)
 
@@ -42,6 +41,7 @@ ATTEMPT_HEADER = "X-Batchscribe-Attempt"
 TOLERANCE_S = 300  # receivers: refuse signatures older (or newer) than this
 CLAIM_BATCH = 16
 MAX_IDLE_S = 60.0  # also catches deliveries another replica released or left behind
+BUSY_RETRY_S = 1.0  # a delivery whose host has no free slot waits this long, attempt uncounted
 
 
 def sign(secret: str, timestamp: int, body: bytes) -> str:
@@ -63,36 +63,17 @@ def verify(secret: str, body: bytes, timestamp: str | None, signature: str | Non
     return hmac.compare_digest(sign(secret, ts, body), signature.strip())
 
 
-def check_callback_url(settings: WebhookSettings, url: str | None) -> str | None:
-    """Validate a request's callback_url; a 400 names the field (before any upload is spooled)."""
+async def check_callback_url(settings: WebhookSettings, guard: OutboundGuard,
+                             url: str | None) -> str | None:
+    """Validate a request's callback_url through the outbound guard; a 400 names the field
+    (before any upload is spooled)."""
     url = (url or "").strip() or None
     if url is None:
         return None
     if not settings.enabled:
         raise BadRequest("webhooks are off on this service (no webhooks secret configured)",
                          field="callback_url")
-    try:
-        parts = urlsplit(url)
-    except ValueError as exc:
-        raise BadRequest(f"callback_url is not a URL: {exc}", field="callback_url") from exc
-    if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise BadRequest("callback_url must be an absolute http(s) URL", field="callback_url")
-    if settings.allowed_hosts and not host_allowed(parts.hostname, settings.allowed_hosts):
-        raise BadRequest(f"callback_url host {parts.hostname!r} is not allowed on this service",
-                         field="callback_url")
-    return url
-
-
-def host_allowed(host: str, allowed: list[str]) -> bool:
-    """``host`` is listed, or falls under a listed '.domain' (names compared case-insensitively)."""
-    host = host.lower().rstrip(".")
-    for entry in (a.strip().lower().rstrip(".") for a in allowed):
-        if entry.startswith("."):
-            if host == entry[1:] or host.endswith(entry):
-                return True
-        elif host == entry:
-            return True
-    return False
+    return await guard.check_url(url, "callback_url")
 
 
 def summary(row: JobRow) -> dict[str, Any]:
@@ -103,23 +84,24 @@ def summary(row: JobRow) -> dict[str, Any]:
         "filename": row.filename, "created_at": row.created_at, "finished_at": row.finished_at,
         "audio_seconds": row.audio_seconds, "language": result.get("language"),
         "status_url": f"/jobs/{row.id}", "result_url": f"/jobs/{row.id}/result",
-        "error": row.error,
+        "error": public_error(row.error),
     }
 
 
 class WebhookDispatcher:
-    def __init__(self, settings: WebhookSettings, store: JobStore,
-                 client: httpx.AsyncClient | None = None) -> None:
+    """Claims due deliveries and sends them through the outbound guard: every attempt is
+    checked where it connects, ends by ``timeout_s`` whatever the receiver does, and reads at
+    most ``outbound.max_answer_bytes`` of the answer. ``last_error`` records a category
+    (``HTTP 503``, ``timeout``, ``refused``...), never an address or exception text."""
+
+    def __init__(self, settings: WebhookSettings, store: JobStore, guard: OutboundGuard) -> None:
         self.settings = settings
         self.store = store
-        self._client = client or httpx.AsyncClient(
-            timeout=settings.timeout_s, follow_redirects=False,
-            headers={"User-Agent": "batchscribe-webhooks/1"},
-        )
+        self.guard = guard
         self._wake = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
         self._inflight: set[asyncio.Task[None]] = set()
-        # A claimed attempt is not claimed again before it must have ended (timeout + slack).
+        # A claimed attempt is not claimed again before it must have ended (its deadline + slack).
         self._lease_s = settings.timeout_s + 30.0
 
     def start(self) -> None:
@@ -139,39 +121,46 @@ class WebhookDispatcher:
             for t in self._inflight:
                 t.cancel()
             await asyncio.gather(*self._inflight, return_exceptions=True)
-        await self._client.aclose()
 
     async def _loop(self) -> None:
         while True:
             self._wake.clear()
             timeout = MAX_IDLE_S
             try:
-                for row in await self._claim(time.time()):
+                free = min(CLAIM_BATCH, self.guard.free())
+                for row in await self._claim(free):
                     task = asyncio.create_task(self._deliver(row), name=f"webhook-{row.id}")
                     self._inflight.add(task)
                     task.add_done_callback(self._inflight.discard)
-                due = await self._next_due()
+                due = await self._next_due() if free > 0 else None  # full: an ending attempt wakes us
                 if due is not None:
-                    timeout = min(MAX_IDLE_S, max(0.0, due - time.time()))
+                    timeout = min(MAX_IDLE_S, max(0.0, due))
             except Exception:
                 log.exception("webhook dispatch pass failed; retrying")
                 timeout = 5.0
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
 
-    async def _claim(self, now: float) -> list[JobRow]:
-        due = (jobs.c.webhook_status == "pending", jobs.c.webhook_next_at <= now)
+    async def _claim(self, limit: int) -> list[JobRow]:
+        if limit <= 0:
+            return []
 
         def claim(conn: sa.Connection) -> list[JobRow]:
-            return claim_rows(conn, due, jobs.c.webhook_next_at, CLAIM_BATCH,
-                              lambda: {"webhook_next_at": now + self._lease_s})
+            due = (jobs.c.webhook_status == "pending", jobs.c.webhook_next_at <= db_now(conn))
+            return claim_rows(conn, due, jobs.c.webhook_next_at, limit,
+                              lambda c: {"webhook_next_at": db_now(c) + self._lease_s})
 
         return await self.store.run(claim)
 
     async def _next_due(self) -> float | None:
-        q = sa.select(sa.func.min(jobs.c.webhook_next_at)).where(jobs.c.webhook_status == "pending")
-        value = await self.store.run(lambda c: c.execute(q).scalar_one_or_none())
-        return float(value) if value is not None else None
+        """Seconds until the next pending delivery is due (database clock), None if none."""
+        def due(conn: sa.Connection) -> float | None:
+            q = sa.select(sa.func.min(jobs.c.webhook_next_at) - db_now(conn)).where(
+                jobs.c.webhook_status == "pending")
+            value = conn.execute(q).scalar_one_or_none()
+            return float(value) if value is not None else None
+
+        return await self.store.run(due)
 
     async def _deliver(self, row: JobRow) -> None:
         attempt = (row.webhook_attempts or 0) + 1
@@ -185,27 +174,45 @@ class WebhookDispatcher:
         error: str | None = None
         try:
             assert row.callback_url is not None
-            resp = await self._client.post(row.callback_url, content=body, headers=headers)
-            if not 200 <= resp.status_code < 300:
-                error = f"HTTP {resp.status_code}"
-        except (httpx.HTTPError, ValueError) as exc:  # ValueError: a URL httpx cannot use
-            error = f"{type(exc).__name__}: {exc}"[:500]
-        now = time.time()
+            answer = await self.guard.send(
+                "POST", row.callback_url, content=body, headers=headers,
+                deadline_s=self.settings.timeout_s, max_bytes=self.guard.settings.max_answer_bytes)
+            if not 200 <= answer.status < 300:
+                error = f"HTTP {answer.status}"
+        except OutboundError as exc:
+            if exc.category == "busy":  # the host's share of slots is taken: not an attempt
+                await self._record(row.id, {}, BUSY_RETRY_S)
+                return
+            error = exc.category
+            log.info("webhook attempt failed", extra={"job_id": row.id, "attempt": attempt,
+                                                      "error": exc.category, "detail": exc.detail})
         values: dict[str, Any] = {"webhook_attempts": attempt, "webhook_last_error": error}
+        retry_in: float | None = None
         if error is None:
-            values.update(webhook_status="delivered", webhook_delivered_at=now, webhook_next_at=None)
+            values.update(webhook_status="delivered", webhook_delivered_at=time.time(),
+                          webhook_next_at=None)
             log.info("webhook delivered", extra={"job_id": row.id, "attempt": attempt})
         elif attempt >= self.settings.max_attempts:
             values.update(webhook_status="failed", webhook_next_at=None)
             log.warning("webhook gave up", extra={"job_id": row.id, "attempt": attempt,
                                                   "error": error})
         else:
-            wait = min(self.settings.max_backoff_s, self.settings.backoff_s * 2 ** (attempt - 1))
-            values["webhook_next_at"] = now + wait
+            retry_in = min(self.settings.max_backoff_s, self.settings.backoff_s * 2 ** (attempt - 1))
             log.info("webhook retry scheduled", extra={"job_id": row.id, "attempt": attempt,
-                                                       "error": error, "retry_in_s": wait})
+                                                       "error": error, "retry_in_s": retry_in})
+        await self._record(row.id, values, retry_in)
+
+    async def _record(self, job_id: str, values: dict[str, Any], retry_in: float | None) -> None:
+        """Write an attempt's outcome; ``retry_in``: the next attempt is due that much later
+        (database clock)."""
+        def write(conn: sa.Connection) -> None:
+            v = dict(values)
+            if retry_in is not None:
+                v["webhook_next_at"] = db_now(conn) + retry_in
+            conn.execute(jobs.update().where(jobs.c.id == job_id).values(**v))
+
         try:
-            await self.store.update(row.id, **values)
+            await self.store.run(write)
         except Exception:  # the lease expires and the attempt is made again: at-least-once
-            log.exception("cannot record the webhook attempt for job %s", row.id)
+            log.exception("cannot record the webhook attempt for job %s", job_id)
         self._wake.set()  # the next due time may have moved earlier
