@@ -195,6 +195,7 @@ class AudioDecoder:
             raise UnsupportedMedia("cannot open the upload as audio") from exc
         self._frames = _checked(frames(self._container))
         self._resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
+        self._format: tuple[str, str, int] | None = None
         self.samples = 0  # decoded so far
         self.done = False
 
@@ -205,8 +206,7 @@ class AudioDecoder:
         try:
             while got < n and not self.done:
                 frame = next(self._frames, None)
-                outs = self._resampler.resample(frame)  # None flushes the resampler's tail
-                for out in outs:
+                for out in self._resample(frame):  # None flushes the resampler's tail
                     arr = out.to_ndarray().reshape(-1)
                     parts.append(arr)
                     got += arr.size
@@ -216,7 +216,7 @@ class AudioDecoder:
             if not self.samples and not parts:
                 raise UnsupportedMedia("cannot decode the upload") from exc
             log.warning("decode stopped early at %.1f s: %s",
-                        (self.samples + got) / SAMPLE_RATE, exc)
+                        (self.samples + got) / SAMPLE_RATE, type(exc).__name__)
             self.done = True
         self.samples += got
         if self.samples > self._limit:
@@ -226,6 +226,20 @@ class AudioDecoder:
             return np.zeros(0, dtype=np.float32)
         pcm = np.concatenate(parts) if len(parts) > 1 else parts[0]
         return np.multiply(pcm, np.float32(1 / 32768), dtype=np.float32)
+
+    def _resample(self, frame: Any) -> list[Any]:
+        """PyAV's resampler takes one input format for life; a stream whose rate or layout
+        changes mid-way (two MP3s joined, a broadcast capture) gets a new one, the old one's
+        tail flushed first."""
+        if frame is not None:
+            fmt = (frame.format.name, frame.layout.name, frame.sample_rate)
+            if self._format is not None and fmt != self._format:
+                tail = list(self._resampler.resample(None))
+                self._resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
+                self._format = fmt
+                return tail + list(self._resampler.resample(frame))
+            self._format = fmt
+        return list(self._resampler.resample(frame))
 
     def close(self) -> None:
         self._container.close()
