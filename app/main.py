@@ -29,7 +29,7 @@ from app.engine import Engine, StagedEngine
 from app.engine.device import DeviceMonitor, resolve_device
 from app.engine.placement import EnginePool, load_engines, make_pool
 from app.engine.whisper import WhisperEngine, size_class
-from app.errors import install_error_handlers
+from app.errors import ServiceError, install_error_handlers
 from app.jobs.blobs import make_blobs
 from app.jobs.prep import prep_threads
 from app.jobs.runner import JobRunner
@@ -37,6 +37,7 @@ from app.jobs.store import JobStore, StoreInUse, lock_sqlite
 from app.jobs.webhooks import WebhookDispatcher
 from app.metrics import Metrics
 from app.security import install_security
+from app.speakers.service import SpeakerService
 from app.state import AppState
 from models.registry import ModelUnavailable, broken_model_message, resolve
 
@@ -101,7 +102,15 @@ def create_app(settings: Settings | None = None,
         vad = await asyncio.to_thread(make_vad, vad_kind, device)
         metrics.model_info.info({"model": engine.info.model, "device": engine.info.device,
                                  "compute_type": engine.info.compute_type, "vad": vad_kind,
-                                 "workers": str(engine.info.num_workers)})
+                                 "workers": str(engine.info.num_workers),
+                                 "speakers": settings.speakers.load})
+        # Speaker diarization: loaded on the first diarize job unless speakers.load says.
+        speakers = SpeakerService(settings.speakers, settings.model.cache_dir)
+        try:
+            await speakers.start()
+        except ServiceError as exc:
+            log.critical("cannot start: %s", exc.message)
+            raise
         store = JobStore(settings.database_url())
         settings.storage.data_dir.mkdir(parents=True, exist_ok=True)
         blobs = make_blobs(settings.storage)  # uploads: where every replica can read them
@@ -115,7 +124,8 @@ def create_app(settings: Settings | None = None,
                           base_memory_mb=held_mb(monitor), stages=stages(settings, runner_engine))
         runner_engine.on_remove = batcher.retire_slots
         runner = JobRunner(settings, store, batcher, vad, metrics, blobs=blobs,
-                           prep_workers=prep_threads(settings.prep.workers, len(engines)))
+                           prep_workers=prep_threads(settings.prep.workers, len(engines)),
+                           speakers=speakers)
         st = AppState(settings=settings, metrics=metrics, store=store, spool_dir=spool,
                       languages=transcribe.whisper_languages(), runner=runner, batcher=batcher,
                       engine=runner_engine, monitor=monitor)
@@ -154,6 +164,7 @@ def create_app(settings: Settings | None = None,
             yield
         finally:
             await drain()
+            await speakers.stop()  # after the drain: no job feeds a speaker stream any more
             if webhooks is not None:
                 await webhooks.stop()
             await asyncio.to_thread(runner_engine.close)
