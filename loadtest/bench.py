@@ -14,7 +14,9 @@ mix, and tcmalloc is preloaded in each as scripts/env.sh does):
    (one client), a WER pass (every clip, batched), then ``--rounds`` rounds of: the best engine
    configuration of phase 2 measured again (subprocess, the server idle), and ``--clients``
    closed-loop HTTP clients replaying the corpus for ``--duration`` seconds after ``--warmup``;
-   then short clips sent while a >= 10 min file is always in flight.
+   then short clips sent while a >= 10 min file is always in flight; then the speaker phase
+   (loadtest/speakers_bench.py): the same multi-speaker workload with and without
+   ``diarize=true``, and the ratio.
 
 Service throughput and the engine limit are each the median of the rounds. The sweep of phase 2
 only *chooses* the configuration: its best value is the largest of several noisy measurements,
@@ -42,6 +44,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from loadtest import speakers_bench
 from loadtest.common import (
     SHORT_CLIP_S,
     Clip,
@@ -253,6 +256,16 @@ async def run_service(args: argparse.Namespace, work: Path, clips: list[Clip],
             log(f"  short clips beside it: n {lat['n']}, p50 {lat['p50_s']}s, p95 {lat['p95_s']}s, "
                 f"batches {scenario['batch_size']['distribution']}")
             await client.wait_idle(pid)
+        if "diarize" not in skip:
+            log(f"service: speakers, {args.diarize_clients} clients, {args.diarize_duration:.0f}s "
+                "each without and with diarize=true")
+            d = await speakers_bench.run(
+                server.url, speakers_bench.workload(clips, args.diarization_corpus),
+                args.language or None, args.diarize_clients, args.warmup, args.diarize_duration,
+                pid, settings["engines"] * settings["num_workers"])
+            out["diarize"] = d
+            log(f"  plain {d['plain']['throughput_x']}x, diarize {d['diarize']['throughput_x']}x"
+                f", ratio {d['ratio']}")
         out["peak_rss_mb"] = server.peak_rss_mb()
     finally:
         await client.close()
@@ -312,6 +325,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-duration", type=float, default=60.0,
                    help="seconds of short clips beside the long file")
     p.add_argument("--long-short-clients", type=int, default=1)
+    p.add_argument("--diarize-clients", type=int, default=8,
+                   help="speaker phase: closed-loop clients, each way")
+    p.add_argument("--diarize-duration", type=float, default=60.0,
+                   help="speaker phase: measured seconds without, then with, diarize=true")
+    p.add_argument("--diarization-corpus", type=Path, default=speakers_bench.DIARIZATION_CORPUS)
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra service settings, e.g. BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE=8")
     p.add_argument("--model", default="whisper-base")
@@ -319,7 +337,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--corpus", type=Path, default=None)
     p.add_argument("--clips", type=int, default=None, help="use a spread subset of N clips")
     p.add_argument("--skip", default="",
-                   help="comma list of phases to leave out: baselines,engine,service,wer,load,long")
+                   help="comma list of phases to leave out: "
+                        "baselines,engine,service,wer,load,long,diarize")
     p.add_argument("--no-tcmalloc", action="store_true", help="every phase on glibc malloc")
     p.add_argument("--workdir", type=Path, default=None, help="default: a temp dir, removed")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/bench.json"))
@@ -370,7 +389,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(_collect_texts(res), indent=1, ensure_ascii=False))
         if args.workdir is None and "checks" in res:
             shutil.rmtree(work, ignore_errors=True)
-    md = render_markdown(res)
+    md = render_markdown(res) + speakers_bench.markdown(res)
     args.out.with_suffix(".md").write_text(md)
     print(md)
     for c in res["checks"]:

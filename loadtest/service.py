@@ -122,9 +122,10 @@ class Client:
     server it measures would otherwise lose. Create it inside the running event loop."""
 
     def __init__(self, url: str, clips: Sequence[Clip], language: str | None,
-                 timeout: float = 900.0) -> None:
+                 timeout: float = 900.0, fields: dict[str, str] | None = None) -> None:
         self.url = url
         self.language = language
+        self.fields = fields or {}  # more form fields on every upload, e.g. diarize=true
         self.blobs = {c.id: Path(c.path).read_bytes() for c in clips}
         self.http = aiohttp.ClientSession(
             url, connector=aiohttp.TCPConnector(limit=256),
@@ -138,6 +139,8 @@ class Client:
         form.add_field("file", blob, filename=name)
         if self.language:
             form.add_field("language", self.language)
+        for k, v in self.fields.items():
+            form.add_field(k, v)
         return form
 
     async def transcribe(self, clip: Clip) -> Result:
