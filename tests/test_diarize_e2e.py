@@ -70,7 +70,8 @@ def test_sample_has_two_speakers_whose_turns_match_the_reference(diarized: dict[
     speaker, so no turn is lost or given to the other speaker (measured: all 7 such turns
     100%)."""
     result = diarized["result"]
-    assert len(result["speakers"]) == 2 and diarized["diarization_s"] > 0
+    assert result["speakers"] == ["SPEAKER_00", "SPEAKER_01"] and diarized["diarization_s"] > 0
+    assert result["segments"][0]["speaker"] == "SPEAKER_00"
     words, segments = result["words"], result["segments"]
     assert len(words) > 60 and all(w["speaker"] in result["speakers"] for w in words)
     utterances = stm()

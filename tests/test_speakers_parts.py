@@ -233,3 +233,13 @@ def test_campplus_code_that_is_not_the_pinned_file_is_never_run(tmp_path: Path) 
     with pytest.raises(ModelUnavailable, match="not the pinned file"):
         load_campplus(tmp_path)
     assert not marker.exists()
+
+
+def test_speakers_are_numbered_by_first_appearance_in_the_transcript() -> None:
+    """The clusters' numbering follows their first crop, maybe in speech without words: the
+    transcript's first speaker is SPEAKER_00 whatever the turns call it."""
+    turns = [Turn(0.0, 1.0, "SPEAKER_01"), Turn(1.1, 2.5, "SPEAKER_00")]
+    out = assign_speakers(service_transcript(), turns)
+    assert [s["speaker"] for s in out["segments"]] == ["SPEAKER_00", "SPEAKER_01", "SPEAKER_01"]
+    assert [w["speaker"] for w in out["words"]] == ["SPEAKER_00"] * 2 + ["SPEAKER_01"] * 4
+    assert out["speakers"] == ["SPEAKER_00", "SPEAKER_01"]
