@@ -257,15 +257,8 @@ async def run_service(args: argparse.Namespace, work: Path, clips: list[Clip],
                 f"batches {scenario['batch_size']['distribution']}")
             await client.wait_idle(pid)
         if "diarize" not in skip:
-            log(f"service: speakers, {args.diarize_clients} clients, {args.diarize_duration:.0f}s "
-                "each without and with diarize=true")
-            d = await speakers_bench.run(
-                server.url, speakers_bench.workload(clips, args.diarization_corpus),
-                args.language or None, args.diarize_clients, args.warmup, args.diarize_duration,
-                pid, settings["engines"] * settings["num_workers"])
-            out["diarize"] = d
-            log(f"  plain {d['plain']['throughput_x']}x, diarize {d['diarize']['throughput_x']}x"
-                f", ratio {d['ratio']}")
+            out["diarize"] = await speakers_bench.phase(args, server.url, clips, pid,
+                                                        settings["engines"] * settings["num_workers"])
         out["peak_rss_mb"] = server.peak_rss_mb()
     finally:
         await client.close()
@@ -325,11 +318,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--long-duration", type=float, default=60.0,
                    help="seconds of short clips beside the long file")
     p.add_argument("--long-short-clients", type=int, default=1)
-    p.add_argument("--diarize-clients", type=int, default=8,
-                   help="speaker phase: closed-loop clients, each way")
-    p.add_argument("--diarize-duration", type=float, default=60.0,
-                   help="speaker phase: measured seconds without, then with, diarize=true")
-    p.add_argument("--diarization-corpus", type=Path, default=speakers_bench.DIARIZATION_CORPUS)
+    speakers_bench.add_arguments(p)
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra service settings, e.g. BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE=8")
     p.add_argument("--model", default="whisper-base")

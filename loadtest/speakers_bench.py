@@ -1,7 +1,7 @@
 """The bench's speaker phase: the throughput cost of ``diarize=true``.
 
 The same closed-loop workload is replayed twice on the running service, ``--diarize-clients``
-clients for ``--diarize-duration`` seconds each after the warm-up: first plain, then with
+(8) clients for ``--diarize-duration`` (180) seconds each after the warm-up: first plain, then with
 ``diarize=true`` on every upload. The workload is what diarization is for, multi-speaker
 recordings: the diarization corpus (``../shared/corpus-diarization``, 4 recordings, 150 s) and
 the main corpus's clips of >= 10 s, in the same replay order both ways. One diarize request is
@@ -12,6 +12,7 @@ per job (``batchscribe_diarization_seconds``) and the server's CPU.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 from pathlib import Path
@@ -19,6 +20,7 @@ from typing import Any
 
 from loadtest.common import ROOT, Clip
 from loadtest.probes import histogram_delta
+from loadtest.report import log
 from loadtest.service import Client, closed_loop
 
 DIARIZATION_CORPUS = Path(os.environ.get("BATCHSCRIBE_DIARIZATION_CORPUS",
@@ -34,6 +36,28 @@ def workload(clips: list[Clip], corpus: Path = DIARIZATION_CORPUS) -> list[Clip]
     meetings = [Clip(m["id"], str(corpus / m["file"]), float(m["duration_s"]), "", "diarization")
                 for m in map(json.loads, manifest.read_text().splitlines()) if m]
     return meetings + [c for c in clips if c.duration_s >= MIN_CLIP_S]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--diarize-clients", type=int, default=8,
+                   help="speaker phase: closed-loop clients, each way")
+    p.add_argument("--diarize-duration", type=float, default=180.0,
+                   help="speaker phase: measured seconds without, then with, diarize=true (only "
+                        "requests that finish inside count, and a diarize request of this "
+                        "workload took ~40 s at 8 clients here: keep it several times that)")
+    p.add_argument("--diarization-corpus", type=Path, default=DIARIZATION_CORPUS)
+
+
+async def phase(args: argparse.Namespace, url: str, clips: list[Clip], pid: int,
+                engine_threads: int) -> dict[str, Any]:
+    """The phase as the bench runs it, on its running server."""
+    log(f"service: speakers, {args.diarize_clients} clients, {args.diarize_duration:.0f}s each "
+        "without and with diarize=true")
+    d = await run(url, workload(clips, args.diarization_corpus), args.language or None,
+                  args.diarize_clients, args.warmup, args.diarize_duration, pid, engine_threads)
+    log(f"  plain {d['plain']['throughput_x']}x, diarize {d['diarize']['throughput_x']}x, "
+        f"ratio {d['ratio']}")
+    return d
 
 
 async def run(url: str, clips: list[Clip], language: str | None, n_clients: int, warmup_s: float,
