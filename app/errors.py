@@ -102,6 +102,37 @@ class TranscriptionFailed(ServiceError):
     error_type = "transcription_failed"
 
 
+NO_RETRY = {"x-should-retry": "false"}  # what OpenAI's clients read: a retry cannot help
+
+
+class DiarizationOff(ServiceError):
+    """Speakers were asked for on a service that runs without them (``speakers.load=off``)."""
+
+    status_code = 400
+    error_type = "diarization_off"
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message, headers=dict(NO_RETRY), **details)
+
+
+class DiarizationUnavailable(ServiceError):
+    """Speakers were asked for and the speaker models could not be loaded (not provisioned,
+    or broken): an operator has to act, so clients are told not to retry."""
+
+    status_code = 503
+    error_type = "diarization_unavailable"
+
+    def __init__(self, message: str, **details: Any) -> None:
+        super().__init__(message, headers=dict(NO_RETRY), **details)
+
+
+class DiarizationFailed(ServiceError):
+    """The speaker models failed on this job's audio; carried to the job."""
+
+    status_code = 500
+    error_type = "diarization_failed"
+
+
 class ShuttingDown(Exception):
     """The batcher stopped before this work ran; the job stays queued for the next start."""
 

@@ -5,6 +5,13 @@ segment too long for ``max_line_count`` lines or ``max_cue_s`` seconds is cut in
 at word boundaries. With word timestamps (the result's ``words``) each cue gets its words' own
 times; without them a segment's time is shared out by characters, which is what a reader's eye
 follows. Defaults leave one cue per segment, as before these options existed.
+
+Speakers (``diarize=true``, ``channels=separate``: segments with ``speaker``, split at speaker
+turns, so a cue has one speaker): SRT cues start with ``[SPEAKER_00] `` (SRT has no speaker
+markup; the bracketed name is the common convention, whisperx's too); VTT cues are voice spans,
+``<v SPEAKER_00>text``, which players show or style and parsers (webvtt-py's ``voice``) read;
+TSV gets a fourth column, ``speaker``, after openai-whisper's three. Results without speakers
+render exactly as before.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ class Cue:
     start: float
     end: float
     text: str  # one line; wrapped by :func:`lines`
+    speaker: str | None = None
 
 
 @dataclass(frozen=True)
@@ -96,13 +104,13 @@ def _tokens(seg: dict[str, Any], words: list[dict[str, Any]] | None) -> list[_To
     return out
 
 
-def _fits(tokens: Sequence[_Token], opts: CueOptions) -> bool:
+def _fits(tokens: Sequence[_Token], opts: CueOptions, prefix: str = "") -> bool:
     if len(tokens) < 2:
         return True  # a cue holds at least one word, however long
     if opts.max_cue_s is not None and tokens[-1].end - tokens[0].start > opts.max_cue_s:
         return False
     if opts.max_line_count is not None:
-        text = " ".join(t.text for t in tokens)
+        text = prefix + " ".join(t.text for t in tokens)
         if len(textwrap.wrap(text, opts.max_line_width, break_on_hyphens=False)) > opts.max_line_count:
             return False
     return True
@@ -110,18 +118,25 @@ def _fits(tokens: Sequence[_Token], opts: CueOptions) -> bool:
 
 def _split(seg: dict[str, Any], words: list[dict[str, Any]] | None, opts: CueOptions) -> list[Cue]:
     text = " ".join(str(seg["text"]).split())
+    speaker = seg.get("speaker") or None
     if opts.max_line_count is None and opts.max_cue_s is None:
-        return [Cue(float(seg["start"]), float(seg["end"]), text)]
+        return [Cue(float(seg["start"]), float(seg["end"]), text, speaker)]
+    prefix = srt_prefix(speaker)  # counts towards the lines (the longest rendering's prefix)
     cues: list[Cue] = []
     cur: list[_Token] = []
     for tok in _tokens(seg, words):
-        if cur and not _fits([*cur, tok], opts):
-            cues.append(Cue(cur[0].start, cur[-1].end, " ".join(t.text for t in cur)))
+        if cur and not _fits([*cur, tok], opts, prefix):
+            cues.append(Cue(cur[0].start, cur[-1].end, " ".join(t.text for t in cur), speaker))
             cur = []
         cur.append(tok)
     if cur:
-        cues.append(Cue(cur[0].start, cur[-1].end, " ".join(t.text for t in cur)))
+        cues.append(Cue(cur[0].start, cur[-1].end, " ".join(t.text for t in cur), speaker))
     return cues
+
+
+def srt_prefix(speaker: str | None) -> str:
+    """How an SRT cue names its speaker: ``[SPEAKER_00] `` before its text."""
+    return f"[{speaker}] " if speaker else ""
 
 
 def cues(result: dict[str, Any], opts: CueOptions | None = None) -> list[Cue]:
@@ -139,7 +154,7 @@ def cues(result: dict[str, Any], opts: CueOptions | None = None) -> list[Cue]:
             end = max(start, min(end, raw[k + 1].start))
         if end_limit is not None:
             start, end = min(start, end_limit), min(end, end_limit)
-        out.append(Cue(round(start, 3), round(end, 3), c.text))
+        out.append(Cue(round(start, 3), round(end, 3), c.text, c.speaker))
         last = start
     return out
 
@@ -148,7 +163,7 @@ def to_srt(result: dict[str, Any], opts: CueOptions | None = None) -> str:
     opts = opts or CueOptions()
     subs = [
         srt.Subtitle(i + 1, dt.timedelta(seconds=c.start), dt.timedelta(seconds=c.end),
-                     lines(c.text, opts.max_line_width))
+                     lines(srt_prefix(c.speaker) + c.text, opts.max_line_width))
         for i, c in enumerate(cues(result, opts))
     ]
     return srt.compose(subs, reindex=False)
@@ -167,18 +182,29 @@ def to_vtt(result: dict[str, Any], opts: CueOptions | None = None) -> str:
     out = ["WEBVTT", ""]
     for c in cues(result, opts):
         # Cue text is markup: escaping & < > also keeps a "-->" in the text from ending the cue.
-        body = lines(c.text, opts.max_line_width)
-        body = body.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+        body = _escape(lines(c.text, opts.max_line_width))
+        if c.speaker:
+            # A voice span's annotation ends at ">" and may not hold a line break.
+            body = f"<v {_escape(' '.join(c.speaker.split()))}>{body}"
         out += [f"{_vtt_time(c.start)} --> {_vtt_time(c.end)}", body, ""]
     return "\n".join(out)
 
 
+def _escape(text: str) -> str:
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def to_tsv(result: dict[str, Any], opts: CueOptions | None = None) -> str:
     """openai-whisper's TSV: a ``start end text`` header, then one cue per line with integer
-    milliseconds (no decimal separator for a locale to change) and no tab inside the text."""
-    rows = ["start\tend\ttext"]
-    rows += [f"{round(c.start * 1000)}\t{round(c.end * 1000)}\t{c.text.replace(chr(9), ' ')}"
-             for c in cues(result, opts)]
+    milliseconds (no decimal separator for a locale to change) and no tab inside the text.
+    A result with speakers gets a fourth column, ``speaker`` (last: readers of the three
+    columns by position are unaffected)."""
+    all_cues = cues(result, opts)
+    named = bool(result.get("speakers")) or any(c.speaker for c in all_cues)
+    rows = ["start\tend\ttext" + ("\tspeaker" if named else "")]
+    for c in all_cues:
+        row = f"{round(c.start * 1000)}\t{round(c.end * 1000)}\t{c.text.replace(chr(9), ' ')}"
+        rows.append(row + (f"\t{(c.speaker or '').replace(chr(9), ' ')}" if named else ""))
     return "\n".join(rows) + "\n"
 
 

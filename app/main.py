@@ -36,7 +36,7 @@ from app.engine.placement import EnginePool, load_engines, make_pool
 from app.engine.sizing import EngineSizing, resolve_batcher
 from app.engine.warmup import warm_up_all
 from app.engine.whisper import size_class
-from app.errors import RetryHints, install_error_handlers
+from app.errors import RetryHints, ServiceError, install_error_handlers
 from app.jobs.blobs import make_blobs
 from app.jobs.prep import prep_threads
 from app.jobs.runner import JobRunner
@@ -45,6 +45,7 @@ from app.jobs.webhooks import WebhookDispatcher
 from app.metrics import Metrics
 from app.outbound import OutboundGuard
 from app.security import install_security
+from app.speakers.service import SpeakerService
 from app.state import AppState
 
 log = logging.getLogger("batchscribe")
@@ -118,7 +119,15 @@ def create_app(settings: Settings | None = None,
         vad = await asyncio.to_thread(make_vad, vad_kind, device)
         metrics.model_info.info({"model": engine.info.model, "device": engine.info.device,
                                  "compute_type": engine.info.compute_type, "vad": vad_kind,
-                                 "workers": str(engine.info.num_workers)})
+                                 "workers": str(engine.info.num_workers),
+                                 "speakers": settings.speakers.load})
+        # Speaker diarization: loaded on the first diarize job unless speakers.load says.
+        speakers = SpeakerService(settings.speakers, settings.model.cache_dir)
+        try:
+            await speakers.start()
+        except ServiceError as exc:
+            log.critical("cannot start: %s", exc.message)
+            raise
         store = JobStore(settings.database_url(), min_job_s=settings.min_job_s(),
                          fair=bool(settings.security.api_key_sha256))
         settings.storage.data_dir.mkdir(parents=True, exist_ok=True)
@@ -140,7 +149,8 @@ def create_app(settings: Settings | None = None,
         if restore is not None:  # retire an engine's slots only if they can come back
             runner_engine.on_remove, runner_engine.on_restore = batcher.retire_slots, restore
         runner = JobRunner(settings, store, batcher, vad, metrics, blobs=blobs,
-                           prep_workers=prep_threads(settings.prep.workers, len(engines)))
+                           prep_workers=prep_threads(settings.prep.workers, len(engines)),
+                           speakers=speakers)
         outbound = OutboundGuard(settings.outbound)
         st = AppState(settings=settings, metrics=metrics, store=store, spool_dir=spool,
                       languages=transcribe.whisper_languages(), runner=runner, batcher=batcher,
@@ -188,6 +198,7 @@ def create_app(settings: Settings | None = None,
             yield
         finally:
             await drain()
+            await speakers.stop()  # after the drain: no job feeds a speaker stream any more
             if webhooks is not None:
                 await webhooks.stop()
             await outbound.aclose()

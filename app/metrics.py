@@ -157,6 +157,15 @@ class Metrics:
             p + "http_request_duration_seconds", "HTTP request time by route.", ["method", "route"],
             buckets=HTTP_BUCKETS, registry=r,
         )
+        self.diarization = Histogram(
+            p + "diarization_seconds",
+            "Per diarized job: wall seconds of its speaker work (segmentation, embeddings and "
+            "clustering, waits for shared speaker batches included), which runs beside its "
+            "transcription.", buckets=LATENCY_BUCKETS, registry=r,
+        )
+        self.diarized_audio = Counter(
+            p + "diarized_audio_seconds", "Audio seconds of finished diarized jobs.", registry=r
+        )
         self.rejected = Counter(
             p + "rejected_requests", "Requests refused before a job was made, by reason.",
             ["reason"], registry=r,

@@ -9,6 +9,11 @@ from pydantic import BaseModel, Field
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 
 
+def _absent(v: object) -> bool:
+    """Speaker fields are left out of jobs that asked for no speakers: those stay as before."""
+    return v is None
+
+
 class Segment(BaseModel):
     id: int
     start: float = Field(description="Seconds from the start of the upload.")
@@ -21,6 +26,10 @@ class Segment(BaseModel):
     compression_ratio: float | None = None
     temperature: float | None = None
     tokens: list[int] = []
+    speaker: str | None = Field(
+        None, exclude_if=_absent,
+        description="diarize=true: SPEAKER_00, SPEAKER_01, ... (in order of first "
+        "appearance); channels=separate: channel_0, channel_1, ... Absent otherwise.")
 
 
 class Word(BaseModel):
@@ -28,6 +37,8 @@ class Word(BaseModel):
     start: float = Field(description="Seconds from the start of the upload.")
     end: float
     probability: float | None = None
+    speaker: str | None = Field(None, exclude_if=_absent,
+                                description="As the segment's (diarize, channels=separate).")
 
 
 class Transcription(BaseModel):
@@ -39,6 +50,9 @@ class Transcription(BaseModel):
     duration: float = Field(description="Decoded audio length in seconds.")
     segments: list[Segment]
     words: list[Word] | None = Field(None, description="Only when word timestamps were asked for.")
+    speakers: list[str] | None = Field(
+        None, exclude_if=_absent,
+        description="diarize=true or channels=separate: the speaker labels that occur.")
 
 
 class WebhookState(BaseModel):
@@ -76,6 +90,10 @@ class Job(BaseModel):
     audio_seconds: float
     queue_wait_s: float | None = Field(None, description="Accepted until work started.")
     processing_s: float | None = Field(None, description="Work started until finished.")
+    diarization_s: float | None = Field(
+        None, exclude_if=_absent,
+        description="diarize=true: wall seconds of the job's speaker work, which runs beside its "
+        "transcription (included in processing_s, not added to it).")
     rtf: float | None = Field(None, description="Real-time factor: audio s / processing s.")
     result: Transcription | None = None
     error: dict[str, Any] | None = None

@@ -17,10 +17,25 @@ MAX_SEGMENT_CHARS = 100
 
 
 def transcript(windows: Sequence[Window], results: Sequence[WindowResult], language: str | None,
-               duration: float, word_timestamps: bool) -> dict[str, Any]:
+               duration: float, word_timestamps: bool,
+               channels: Sequence[int] | None = None) -> dict[str, Any]:
     """A job's result from its windows' results (in upload order): sentence segments when
-    word times exist (better subtitles), else one segment per window."""
-    segments = [s for w, r in zip(windows, results, strict=True) for s in window_segments(w, r)]
+    word times exist (better subtitles), else one segment per window.
+
+    ``channels`` (``channels=separate``): each window's channel. Segments and their words then
+    carry ``speaker`` = ``channel_<k>`` and are merged in time order (by start; a tie keeps
+    channel order), and ``speakers`` lists the labels of the channels that have speech."""
+    per_window = [window_segments(w, r) for w, r in zip(windows, results, strict=True)]
+    segments = [s for segs in per_window for s in segs]
+    out: dict[str, Any] = {}
+    if channels is not None:
+        for segs, c in zip(per_window, channels, strict=True):
+            for s in segs:
+                s["speaker"] = channel_label(c)
+                for wd in s["words"]:
+                    wd["speaker"] = s["speaker"]
+        segments.sort(key=lambda s: s["start"])  # stable: windows of one channel stay in order
+        out["speakers"] = [channel_label(c) for c in sorted(set(channels))]
     words = [wd for s in segments for wd in s.pop("words")]
     for k, s in enumerate(segments):
         s["id"] = k
@@ -30,7 +45,13 @@ def transcript(windows: Sequence[Window], results: Sequence[WindowResult], langu
         "language_probability": results[0].language_probability if results else None,
         "duration": duration, "segments": segments,
         "words": words if word_timestamps else None,
+        **out,
     }
+
+
+def channel_label(channel: int) -> str:
+    """The speaker name of a channel with ``channels=separate`` (0-based, in stream order)."""
+    return f"channel_{channel}"
 
 
 def window_segments(window: Window, result: WindowResult) -> list[dict[str, Any]]:

@@ -14,7 +14,9 @@ mix, and tcmalloc is preloaded in each as scripts/env.sh does):
    (one client), a WER pass (every clip, batched), then ``--rounds`` rounds of: the best engine
    configuration of phase 2 measured again (subprocess, the server idle), and ``--clients``
    closed-loop HTTP clients replaying the corpus for ``--duration`` seconds after ``--warmup``;
-   then short clips sent while a >= 10 min file is always in flight.
+   then short clips sent while a >= 10 min file is always in flight; then the speaker phase
+   (loadtest/speakers_bench.py): the same multi-speaker workload with and without
+   ``diarize=true``, and the ratio.
 
 Service throughput and the engine limit are each the median of the rounds. The sweep of phase 2
 only *chooses* the configuration: its best value is the largest of several noisy measurements,
@@ -41,6 +43,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
+from loadtest import speakers_bench
 from loadtest.common import (
     SHORT_CLIP_S,
     Clip,
@@ -166,6 +169,9 @@ async def run_service(args: argparse.Namespace, work: Path, clips: list[Clip],
             lat = out["long"]["latency_short"]
             log(f"  n {lat['n']}, p50 {lat['p50_s']}s, p95 {lat['p95_s']}s")
             await client.wait_idle(pid)
+        if "diarize" not in skip:
+            out["diarize"] = await speakers_bench.phase(args, server.url, clips, pid,
+                                                        settings["engines"] * settings["num_workers"])
         out["peak_rss_mb"] = server.peak_rss_mb()
     finally:
         await client.close()
@@ -248,6 +254,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds of short clips beside the long upload, at least")
     p.add_argument("--rss-hours", type=float, default=4.0,
                    help="the upload of the memory phase (a fresh server); 0 skips it")
+    speakers_bench.add_arguments(p)
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra service settings, e.g. BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE=8")
     p.add_argument("--model", default="whisper-base")
@@ -258,7 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clips", type=int, default=None, help="use a spread subset of N clips")
     p.add_argument("--skip", default="",
                    help="comma list of phases to leave out: "
-                        "baselines,engine,service,wer,load,long,rss")
+                        "baselines,engine,service,wer,load,long,rss,diarize")
     p.add_argument("--no-tcmalloc", action="store_true", help="every phase on glibc malloc")
     p.add_argument("--workdir", type=Path, default=None, help="default: a temp dir, removed")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/bench.json"))
@@ -312,7 +319,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(_collect_texts(res), indent=1, ensure_ascii=False))
         if args.workdir is None and "checks" in res:
             shutil.rmtree(work, ignore_errors=True)
-    md = render_markdown(res)
+    md = render_markdown(res) + speakers_bench.markdown(res)
     args.out.with_suffix(".md").write_text(md)
     print(md)
     for c in res["checks"]:

@@ -127,7 +127,7 @@ class Client:
                  timeout: float = 900.0, fields: dict[str, str] | None = None) -> None:
         self.url = url
         self.language = language
-        self.fields = fields or {}  # more form fields per request, e.g. word_timestamps
+        self.fields = fields or {}  # more form fields on every upload, e.g. diarize=true
         self.blobs = {c.id: Path(c.path).read_bytes() for c in clips}
         self.http = aiohttp.ClientSession(
             url, connector=aiohttp.TCPConnector(limit=256),

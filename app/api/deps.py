@@ -57,7 +57,7 @@ def to_job(row: JobRow, st: AppState, base: str = "") -> Job:
         started_at=row.started_at, finished_at=row.finished_at,
         progress=Progress(windows_done=done, windows_total=total),
         audio_seconds=row.audio_seconds, queue_wait_s=row.queue_wait_s,
-        processing_s=row.processing_s, rtf=rtf,
+        processing_s=row.processing_s, diarization_s=row.diarization_s, rtf=rtf,
         result=Transcription.model_validate(row.result) if row.result else None,
         error=public_error(row.error), webhook=webhook_state(row),
     )

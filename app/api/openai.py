@@ -18,6 +18,16 @@ behind a 504 while the SDK uploads it again.
 Segments: verbose_json, srt and vtt are decoded with word alignment, so segments are sentences
 (OpenAI-like, subtitle-sized) instead of whole 30 s windows; words are returned only when
 ``timestamp_granularities[]`` asks for them.
+
+Speakers: ``response_format=diarized_json`` runs the job with ``diarize=true`` and answers in the
+shape of OpenAI's diarization model (``TranscriptionDiarized`` in the ``openai`` package: ``task``,
+``duration``, ``text``, ``segments`` of ``type`` ``transcript.text.segment`` with ``id``,
+``speaker``, ``start``, ``end``, ``text``, and ``usage`` by duration). Speakers are named as
+OpenAI names them without known speakers: ``A``, ``B``, ... in order of first appearance.
+``model`` may be ``gpt-4o-transcribe-diarize`` (what clients of that model send); its
+``chunking_strategy`` is accepted and changes nothing (uploads are always cut at pauses by the
+VAD). ``known_speaker_names[]``/``known_speaker_references[]`` are refused (400): naming speakers
+from reference clips is not implemented.
 """
 
 from __future__ import annotations
@@ -38,8 +48,9 @@ from starlette.routing import Match
 
 from app.api import idempotency, openai_stream
 from app.api.deps import Caller, caller, cue_form, ready_state, state
-from app.api.transcribe import HOTWORDS_HELP, accept_upload, decode_options
+from app.api.transcribe import HOTWORDS_HELP, accept_upload, decode_options, speaker_options
 from app.errors import (
+    NO_RETRY,
     BadRequest,
     PayloadTooLarge,
     ServiceError,
@@ -51,9 +62,10 @@ from app.formats import MEDIA_TYPES, CueOptions, render
 from app.jobs.store import TERMINAL, JobRow
 from app.state import AppState
 
-ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt"]
+ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt", "diarized_json"]
 Granularity = Literal["word", "segment"]
-ALIASES = ("whisper-1",)  # what OpenAI clients send by default: served by the loaded model
+# What OpenAI clients send: served by the loaded model (diarized_json adds the speaker models).
+ALIASES = ("whisper-1", "gpt-4o-transcribe-diarize")
 STARTED = int(time.time())  # the model card's "created": when this process loaded it
 
 
@@ -99,6 +111,30 @@ class VerboseWord(BaseModel):
     end: float
 
 
+class DiarizedSegment(BaseModel):
+    type: Literal["transcript.text.segment"] = "transcript.text.segment"
+    id: str
+    speaker: str
+    start: float
+    end: float
+    text: str
+
+
+class DurationUsage(BaseModel):
+    type: Literal["duration"] = "duration"
+    seconds: float
+
+
+class OpenAIDiarized(BaseModel):
+    """``response_format=diarized_json``: OpenAI's ``TranscriptionDiarized``."""
+
+    task: Literal["transcribe"] = "transcribe"
+    duration: float
+    text: str
+    segments: list[DiarizedSegment]
+    usage: DurationUsage | None = None
+
+
 class OpenAITranscription(BaseModel):
     """json: ``text`` only; verbose_json: every field (``words`` when asked for)."""
 
@@ -117,7 +153,7 @@ def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
 
 SUBTITLES = {"content": {MEDIA_TYPES[f]: {"schema": {"type": "string"}} for f in ("text", "srt", "vtt")}
              | {"text/event-stream": {"schema": {"type": "string"}}}}  # issue 21: stream=true
-AUDIO_RESPONSES = {200: {"model": OpenAITranscription, **SUBTITLES},
+AUDIO_RESPONSES = {200: {"model": OpenAITranscription | OpenAIDiarized, **SUBTITLES},
                    **_errors(400, 404, 409, 413, 415, 422, 429, 500, 502, 503, 504)}
 
 
@@ -205,11 +241,20 @@ async def transcriptions(
     stream: Annotated[bool, Form(description="Server-Sent Events: transcript.text.delta as "
                                  "windows finish, then transcript.text.done (json/text).")] = False,
     hotwords: Annotated[str | None, Form(max_length=1000, description=HOTWORDS_HELP)] = None,
+    # OpenAI's diarization fields (gpt-4o-transcribe-diarize).
+    chunking_strategy: Annotated[str | None, Form(
+        max_length=100, description="Accepted for OpenAI's clients; the VAD always cuts.")] = None,
+    known_names: Annotated[list[str] | None, Form(alias="known_speaker_names[]")] = None,
+    known_refs: Annotated[list[str] | None, Form(alias="known_speaker_references[]")] = None,
     cue: CueOptions = Depends(cue_form),
     idempotency_key: idempotency.KeyHeader = None,
     st: AppState = Depends(ready_state), who: Caller = Depends(caller),
 ) -> Response:
     gran: set[str] = set(granularities or []) | set(granularities_plain or [])
+    if known_names or known_refs:
+        raise BadRequest("known_speaker_names[] and known_speaker_references[] are not "
+                         "supported: speakers are named A, B, ... by first appearance",
+                         field="known_speaker_names[]", headers=NO_RETRY)
     return await _run(request, st, who, file, model, "transcribe", language, prompt,
                       response_format, temperature, gran, cue, stream, hotwords, idempotency_key)
 
@@ -223,6 +268,9 @@ async def translations(
     st: AppState = Depends(ready_state), who: Caller = Depends(caller),
 ) -> Response:
     """Speech in any language to English text (Whisper's translate task)."""
+    if response_format == "diarized_json":
+        raise BadRequest("diarized_json is a transcription format", field="response_format",
+                         headers=NO_RETRY)
     return await _run(request, st, who, file, model, "translate", None, prompt, response_format,
                       temperature, set(), cue, raw_key=idempotency_key)
 
@@ -241,6 +289,8 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
         raise BadRequest("stream=true needs response_format json or text", field="stream")
     aligned = fmt in ("verbose_json", "srt", "vtt")
     options = decode_options(st, language, task, None, prompt, temperature, aligned, hotwords)
+    if fmt == "diarized_json":
+        options = speaker_options(st, options, True, None, None, None)
     wait_s = min(st.settings.limits.sync_timeout_s, st.settings.limits.openai_wait_s)
     first = await idempotency.find(st, who.owner, key) if key else None
     job_id = first.id if first else await accept_upload(
@@ -276,6 +326,8 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
         return JSONResponse({"text": result["text"]}, headers=headers)
     if fmt == "verbose_json":
         return JSONResponse(verbose_json(result, task, "word" in gran), headers=headers)
+    if fmt == "diarized_json":
+        return JSONResponse(diarized_json(result), headers=headers)
     return PlainTextResponse(render(result, fmt, cue), media_type=MEDIA_TYPES[fmt], headers=headers)
 
 
@@ -352,6 +404,30 @@ def verbose_json(result: dict[str, Any], task: str, words: bool) -> dict[str, An
     if words:
         out["words"] = [{"word": w["word"], "start": w["start"], "end": w["end"]}
                         for w in result.get("words") or []]
+    return out
+
+
+def diarized_json(result: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI's ``TranscriptionDiarized`` from a diarized job's result. Speakers are renamed as
+    OpenAI names them (A, B, ... by first appearance); a segment where the speaker models heard
+    no speech at all keeps the name ``unknown``."""
+    names = {s: speaker_letter(k) for k, s in enumerate(result.get("speakers") or [])}
+    segments = [
+        DiarizedSegment(id=f"seg_{k}", speaker=names.get(s.get("speaker") or "", "unknown"),
+                        start=s["start"], end=s["end"], text=s["text"])
+        for k, s in enumerate(s for s in result.get("segments", []) if s.get("text"))
+    ]
+    return OpenAIDiarized(duration=result["duration"], text=result["text"], segments=segments,
+                          usage=DurationUsage(seconds=result["duration"])).model_dump(mode="json")
+
+
+def speaker_letter(k: int) -> str:
+    """A, B, ..., Z, then AA, AB, ... (spreadsheet columns)."""
+    out = ""
+    k += 1
+    while k:
+        k, r = divmod(k - 1, 26)
+        out = chr(65 + r) + out
     return out
 
 

@@ -20,7 +20,7 @@ from app.api import idempotency
 from app.api.deps import Caller, caller, job_answer, ready_state
 from app.api.json_form import JsonFormRoute
 from app.api.limits import admitted
-from app.errors import BadRequest, InvalidAudio, PayloadTooLarge, ServiceError
+from app.errors import NO_RETRY, BadRequest, DiarizationOff, InvalidAudio, PayloadTooLarge, ServiceError
 from app.jobs.runner import new_job_id
 from app.jobs.webhooks import check_callback_url
 from app.remote import fetch_audio
@@ -44,6 +44,42 @@ def whisper_languages() -> frozenset[str]:
 HOTWORDS_HELP = ("Words or phrases to bias the transcript towards (names, jargon), as in "
                  "faster-whisper: added to each window's prompt.")
 Spool = Callable[[UploadFile, Path, int], int]
+MAX_SPEAKERS = 20  # bound on num/min/max_speakers (clustering itself has none)
+DIARIZE_HELP = ("Who spoke when: speaker (SPEAKER_00, SPEAKER_01, ...) on segments and words, "
+                "segments split at speaker turns. Speaker models on CPU, loaded on first use.")
+CHANNELS_HELP = ("separate: transcribe each channel of a multichannel upload (a call recording) "
+                 "on its own, speaker = channel_0, channel_1, ..., merged in time order; a mono "
+                 "upload is its one channel. mix (default): one mono downmix.")
+
+
+def speaker_options(st: AppState, options: JobOptions, diarize: bool, num_speakers: int | None,
+                    min_speakers: int | None, max_speakers: int | None,
+                    channels: str = "mix") -> JobOptions:
+    """The request's speaker options on top of ``options``, checked: 400 for combinations
+    that cannot be met, before anything is uploaded."""
+    asked = {"num_speakers": num_speakers, "min_speakers": min_speakers,
+             "max_speakers": max_speakers}
+    given = [k for k, v in asked.items() if v is not None]
+    if given and not diarize:
+        raise BadRequest(f"{given[0]} needs diarize=true", field=given[0], headers=NO_RETRY)
+    lo, hi = min_speakers or 1, max_speakers or MAX_SPEAKERS
+    if lo > hi:
+        raise BadRequest(f"min_speakers ({min_speakers}) > max_speakers ({max_speakers})",
+                         field="min_speakers", headers=NO_RETRY)
+    if num_speakers is not None and not lo <= num_speakers <= hi:
+        raise BadRequest(f"num_speakers ({num_speakers}) is outside min_speakers..max_speakers",
+                         field="num_speakers", headers=NO_RETRY)
+    if diarize and channels == "separate":
+        raise BadRequest("channels=separate labels speakers by channel; it cannot be combined "
+                         "with diarize=true", field="channels", headers=NO_RETRY)
+    if diarize:
+        if st.runner.speakers is None:
+            raise DiarizationOff("speaker diarization is not available on this service",
+                                 field="diarize")
+        st.runner.speakers.check()  # off: 400; models that failed to load: 503
+    return replace(options, diarize=diarize, num_speakers=num_speakers,
+                   min_speakers=min_speakers, max_speakers=max_speakers,
+                   channels=channels)  # type: ignore[arg-type]
 
 
 def decode_options(st: AppState, language: str | None, task: str, beam_size: int | None,
@@ -168,6 +204,14 @@ async def transcribe(
     hotwords: Annotated[str | None, Form(max_length=1000, description=HOTWORDS_HELP)] = None,
     temperature: Annotated[float, Form(ge=0, le=1, description="0: beam/greedy; > 0: sampling.")] = 0.0,
     word_timestamps: Annotated[bool, Form(description="Add word start/end times.")] = False,
+    diarize: Annotated[bool, Form(description=DIARIZE_HELP)] = False,
+    num_speakers: Annotated[int | None, Form(
+        ge=1, le=MAX_SPEAKERS, description="diarize: exactly this many speakers.")] = None,
+    min_speakers: Annotated[int | None, Form(
+        ge=1, le=MAX_SPEAKERS, description="diarize: at least this many speakers.")] = None,
+    max_speakers: Annotated[int | None, Form(
+        ge=1, le=MAX_SPEAKERS, description="diarize: at most this many speakers.")] = None,
+    channels: Annotated[Literal["mix", "separate"], Form(description=CHANNELS_HELP)] = "mix",
     callback_url: Annotated[str | None, Form(
         max_length=2048, description="POSTed the signed job summary when it ends (webhooks on).",
     )] = None,
@@ -185,6 +229,8 @@ async def transcribe(
     key = idempotency.parse_key(idempotency_key)
     options = decode_options(st, language, task, beam_size, initial_prompt, temperature,
                              word_timestamps, hotwords, language_detection)
+    options = speaker_options(st, options, diarize, num_speakers, min_speakers, max_speakers,
+                              channels)
     job_id = await accept_upload(st, file, options, who, callback_url, audio_url,
                                  idempotency_key=key)
     return await job_answer(st, job_id, wait)

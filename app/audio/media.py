@@ -181,12 +181,16 @@ def _checked(frames: Any) -> Any:
 
 
 class AudioDecoder:
-    """One upload decoded in pieces, as 16 kHz mono float32: only the piece asked for is held.
+    """One upload decoded in pieces, as 16 kHz float32: only the piece asked for is held.
+
+    Mono (FFmpeg's downmix) by default; with ``separate`` every channel is kept, each resampled
+    on its own (``channels`` of them, the stream's layout: no remixing), for uploads whose
+    channels are different speakers (a call recording, ``channels=separate``).
 
     The duration limit is checked on decoded samples too, because a header can lie (a WAV
     header claiming a huge size, a stream without duration metadata)."""
 
-    def __init__(self, path: Path, max_audio_s: float) -> None:
+    def __init__(self, path: Path, max_audio_s: float, separate: bool = False) -> None:
         self._limit = int(max_audio_s * SAMPLE_RATE)
         self._max_audio_s = max_audio_s
         try:
@@ -194,22 +198,32 @@ class AudioDecoder:
         except av.error.FFmpegError as exc:
             raise UnsupportedMedia("cannot open the upload as audio") from exc
         self._frames = _checked(frames(self._container))
-        self._resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
+        layout: Any = "mono"
+        self.channels = 1
+        if separate:
+            cc = self._container.streams.audio[0].codec_context
+            layout = cc.layout  # the stream's own: no channel is remixed into another
+            self.channels = len(layout.channels)
+        self.separate = separate
+        self._layout = layout
+        self._resampler = self._new_resampler()
         self._format: tuple[str, str, int] | None = None
-        self.samples = 0  # decoded so far
+        self.samples = 0  # decoded so far (per channel)
         self.done = False
 
     def read(self, n: int) -> np.ndarray:
-        """At least ``n`` samples (fewer only at the end; empty once done)."""
+        """At least ``n`` samples (fewer only at the end; empty once done): shape (samples,),
+        or (channels, samples) when separate."""
         parts: list[np.ndarray] = []
         got = 0
         try:
             while got < n and not self.done:
                 frame = next(self._frames, None)
                 for out in self._resample(frame):  # None flushes the resampler's tail
-                    arr = out.to_ndarray().reshape(-1)
+                    arr = out.to_ndarray()
+                    arr = arr.reshape(self.channels, -1) if self.separate else arr.reshape(-1)
                     parts.append(arr)
-                    got += arr.size
+                    got += arr.shape[-1]
                 if frame is None:
                     self.done = True
         except av.error.FFmpegError as exc:
@@ -223,9 +237,14 @@ class AudioDecoder:
             raise PayloadTooLarge(f"audio is longer than the limit of {self._max_audio_s:.0f} s",
                                   limit_s=self._max_audio_s)
         if not parts:
-            return np.zeros(0, dtype=np.float32)
-        pcm = np.concatenate(parts) if len(parts) > 1 else parts[0]
+            return np.zeros((self.channels, 0) if self.separate else 0, dtype=np.float32)
+        pcm = np.concatenate(parts, axis=-1) if len(parts) > 1 else parts[0]
         return np.multiply(pcm, np.float32(1 / 32768), dtype=np.float32)
+
+    def _new_resampler(self) -> Any:
+        # Planar output when separate: to_ndarray() is then (channels, samples).
+        return av.AudioResampler(format="s16p" if self.separate else "s16", layout=self._layout,
+                                 rate=SAMPLE_RATE)
 
     def _resample(self, frame: Any) -> list[Any]:
         """PyAV's resampler takes one input format for life; a stream whose rate or layout
@@ -235,7 +254,7 @@ class AudioDecoder:
             fmt = (frame.format.name, frame.layout.name, frame.sample_rate)
             if self._format is not None and fmt != self._format:
                 tail = list(self._resampler.resample(None))
-                self._resampler = av.AudioResampler(format="s16", layout="mono", rate=SAMPLE_RATE)
+                self._resampler = self._new_resampler()
                 self._format = fmt
                 return tail + list(self._resampler.resample(frame))
             self._format = fmt

