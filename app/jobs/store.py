@@ -294,7 +294,9 @@ class JobStore:
         q = (jobs.update().where(jobs.c.id == job_id, jobs.c.lease_owner == replica,
                                  jobs.c.status == "running")
              .values(status="queued", lease_owner=None, lease_expires_at=None, windows_done=0,
-                     attempts=jobs.c.attempts - back))
+                     # floored: a job released before its work started used no attempt
+                     attempts=sa.case((jobs.c.attempts >= back, jobs.c.attempts - back),
+                                      else_=0)))
         await self.run(lambda c: c.execute(q))
 
     async def update(self, job_id: str, **values: Any) -> None:
