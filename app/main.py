@@ -299,3 +299,7 @@ def setup_logging(level: str = "INFO") -> None:
     handler.setFormatter(JsonFormatter())
     handler.addFilter(QuietRefusal())
     logging.basicConfig(level=level, handlers=[handler], force=True)
+    # FFmpeg's own messages (PyAV's "libav" loggers) are about what a client sent: a refused
+    # playlist or a 0 Hz header is a 4xx answered to that client, not an ERROR line for the
+    # operator, and a client must not be able to fill the log with them.
+    logging.getLogger("libav").setLevel(logging.CRITICAL)

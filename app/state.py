@@ -20,6 +20,12 @@ from app.outbound import OutboundGuard
 
 RECENT_SPEED_S = 300.0  # the window "current speed" is measured over
 MIN_BUSY_S = 5.0  # engine time that window needs before it is trusted over the whole run
+# ... and transcribed audio. Encoder calls count their engine time when they end, their windows'
+# audio only once decoded (up to batcher.max_decode_wait_ms later), so the first seconds of a run
+# read ~0x: in the soak (loadtest/soak.py), 10 s after the start, /v1 refused a 1 s clip with a
+# 413 "more than this service transcribes within 540 s", and Retry-After hit its 3600 s cap.
+MIN_AUDIO_S = 30.0
+DEFAULT_SPEED = 10.0  # audio s per wall s assumed until enough is measured
 
 
 @dataclass
@@ -55,7 +61,8 @@ class AppState:
         """Audio seconds the service transcribes per wall second now.
 
         Current: over the batches of the last few minutes (the load mix, beam sizes or a
-        co-tenant change the speed), falling back to the whole run while those are too few.
+        co-tenant change the speed), falling back to the whole run while those are too few,
+        and to ``DEFAULT_SPEED`` while the whole run has measured too little.
         """
         m = self.metrics
         now, audio, busy = time.monotonic(), m.audio_processed._value.get(), m.processing._value.get()
@@ -65,10 +72,12 @@ class AppState:
         while len(recent) > 1 and recent[0][0] < now - RECENT_SPEED_S:
             recent.popleft()
         _, audio0, busy0 = recent[0]
-        if busy - busy0 >= MIN_BUSY_S:
+        if busy - busy0 >= MIN_BUSY_S and audio - audio0 >= MIN_AUDIO_S:
             audio, busy = audio - audio0, busy - busy0
+        elif busy < MIN_BUSY_S or audio < MIN_AUDIO_S:
+            return DEFAULT_SPEED
         # Throughput in audio s per wall s: per-worker speed times the workers running at once.
-        return (audio / busy) * self.engine.workers if busy > 0 else 10.0
+        return (audio / busy) * self.engine.workers
 
     def refresh_gauges(self) -> None:
         """Point-in-time gauges read at scrape time (cheap: NVML or /proc, no locks)."""

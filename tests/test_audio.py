@@ -11,8 +11,9 @@ import numpy as np
 import pytest
 
 from app.audio import media as audio
+from loadtest.hostile_inputs import encode, load, wav
 from tests.conftest import Clip
-from tests.test_bad_input import encode, huge_header_wav, load, wav
+from tests.test_bad_input import huge_header_wav
 
 
 def variants(clips: list[Clip], tmp: Path) -> list[Path]:

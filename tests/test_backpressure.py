@@ -21,7 +21,7 @@ import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from app.state import AppState
+from app.state import DEFAULT_SPEED, AppState
 from loadtest.common import proc_status_kb
 from tests.conftest import Clip, Server
 from tests.test_bad_input import HealthWatch
@@ -178,3 +178,19 @@ def test_retry_after_follows_the_current_speed() -> None:
     busy.inc(50)  # the engine slowed down to 2x realtime per worker: 4 audio s per second now
     assert AppState.retry_after_s(st, 200) == 50  # the whole run's average would say 20
     assert AppState.retry_after_s(st, 10**9) == 3600  # capped
+
+
+def test_speed_is_not_judged_before_any_audio_is_decoded() -> None:
+    """Encoder calls count their engine time before their windows' audio is counted (at the
+    decode): right after a start the whole run read ~0x, and /v1 refused a 1 s clip (413)."""
+    reg = CollectorRegistry()
+    audio, busy = Counter("a", "", registry=reg), Counter("b", "", registry=reg)
+    st = SimpleNamespace(metrics=SimpleNamespace(audio_processed=audio, processing=busy),
+                         engine=SimpleNamespace(workers=2), _speed=deque())
+    busy.inc(0.5)  # the first encoder call ended, nothing decoded yet
+    assert AppState.speed(st) == DEFAULT_SPEED  # type: ignore[arg-type]
+    busy.inc(7.5)
+    audio.inc(1.5)  # one short window decoded beside 8 s of encoder time
+    assert AppState.speed(st) == DEFAULT_SPEED  # type: ignore[arg-type]
+    audio.inc(78.5)  # enough measured: 80 audio s over 7.5 busy s since the first reading
+    assert AppState.speed(st) == pytest.approx(2 * 80 / 7.5)  # type: ignore[arg-type]

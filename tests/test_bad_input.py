@@ -7,14 +7,11 @@ Files are made with numpy + ``wave`` and PyAV (mp3/flac/…); no ffmpeg binary i
 
 from __future__ import annotations
 
-import io
 import threading
 import time
-import wave
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
-import av
 import httpx
 import jiwer
 import numpy as np
@@ -22,6 +19,7 @@ import pytest
 from openai import APIStatusError, OpenAI
 
 from loadtest.common import proc_status_kb
+from loadtest.hostile_inputs import encode, encode_chunks, load, wav
 from tests.conftest import Clip, Server, corpus_clips
 
 pytestmark = pytest.mark.model
@@ -30,57 +28,7 @@ MAX_UPLOAD = 4 * 1024 * 1024
 MAX_AUDIO_S = 3600.0
 
 
-# ---- generators ------------------------------------------------------------------------------
-def load(path: Path, rate: int, channels: int = 1) -> np.ndarray:
-    """A corpus clip as float32 (frames, channels) at ``rate``."""
-    layout = "mono" if channels == 1 else "stereo"
-    rs = av.AudioResampler(format="flt", layout=layout, rate=rate)
-    out = []
-    with av.open(str(path)) as c:
-        for frame in c.decode(audio=0):
-            out += [f.to_ndarray().reshape(-1, channels) for f in rs.resample(frame)]
-    out += [f.to_ndarray().reshape(-1, channels) for f in rs.resample(None)]
-    return np.concatenate(out)
-
-
-def wav(samples: np.ndarray, rate: int, width: int = 2) -> bytes:
-    """PCM wav of float samples (frames[, channels]) with 1-4 byte samples."""
-    x = np.clip(samples.reshape(len(samples), -1 if samples.ndim > 1 else 1), -1, 1)
-    ints = np.round(x * (2 ** (8 * width - 1) - 1)).astype("<i4")
-    raw = ints.view(np.uint8).reshape(-1, 4)[:, :width].tobytes()  # little-endian low bytes
-    buf = io.BytesIO()
-    with wave.open(buf, "wb") as w:
-        w.setnchannels(x.shape[1])
-        w.setsampwidth(width)
-        w.setframerate(rate)
-        w.writeframes(raw)
-    return buf.getvalue()
-
-
-def encode_chunks(chunks: Iterable[np.ndarray], rate: int, fmt: str, codec: str) -> bytes:
-    """Encode mono s16 chunks (1 x n) with PyAV (bundled FFmpeg) into an in-memory file."""
-    buf = io.BytesIO()
-    with av.open(buf, mode="w", format=fmt) as c:
-        s = c.add_stream(codec, rate=rate, layout="mono")
-        for chunk in chunks:
-            f = av.AudioFrame.from_ndarray(np.ascontiguousarray(chunk), format="s16",
-                                           layout="mono")
-            f.sample_rate = rate
-            for p in s.encode(f):
-                c.mux(p)
-        for p in s.encode(None):
-            c.mux(p)
-    return buf.getvalue()
-
-
-def encode(samples: np.ndarray, rate: int, fmt: str, codec: str) -> bytes:
-    """Encode mono float samples into an in-memory file, 10 s per frame."""
-    pcm = (np.clip(samples.reshape(1, -1), -1, 1) * 32767).astype(np.int16)
-    step = rate * 10
-    return encode_chunks((pcm[:, i:i + step] for i in range(0, pcm.shape[1], step)),
-                         rate, fmt, codec)
-
-
+# ---- generators (load, wav, encode: loadtest/hostile_inputs.py) ----------------------------
 def two_hour_flac() -> bytes:
     """2 h of digital silence: FLAC squeezes it to ~1.3 MB, so only the duration limit applies."""
     rate = 8000

@@ -8,16 +8,14 @@
 
 from __future__ import annotations
 
-import struct
 import time
-from pathlib import Path
 
 import httpx
 import numpy as np
 import pytest
 
+from loadtest.hostile_inputs import load, lying_mkv, playlists, wav, wav_declaring
 from tests.conftest import Clip, Server
-from tests.test_bad_input import load, wav
 
 pytestmark = pytest.mark.model
 
@@ -44,34 +42,17 @@ def test_playlists_are_refused_and_read_nothing(server: Server, clips: list[Clip
         jobs = c.get("/jobs").json()["jobs"]
         assert jobs
         other = jobs[0]["id"]
-        playlists = {
-            "concat.txt": f"ffconcat version 1.0\nfile '{other}'\n".encode(),
-            "concat-abs.txt": f"ffconcat version 1.0\nfile '{victim.path}'\n".encode(),
-            "list.m3u8": f"#EXTM3U\n#EXTINF:10,\n{victim.path}\n#EXT-X-ENDLIST\n".encode(),
-            "plain.m3u": f"{victim.path}\n".encode(),
-        }
         before = {j["id"] for j in c.get("/jobs").json()["jobs"]}
-        for name, body in playlists.items():
+        for name, body in playlists(other, victim.path).items():
             assert_415(post(c, name, body, wait="true"))
         assert {j["id"] for j in c.get("/jobs").json()["jobs"]} == before  # no job was made
-
-
-def wav_header(rate: int, channels: int, frames: int = 16) -> bytes:
-    """A syntactically valid PCM WAV header (plus a few silent frames) with any rate/layout."""
-    width = 2
-    data = bytes(frames * channels * width)
-    fmt = struct.pack("<HHIIHH", 1, channels, rate, rate * channels * width, channels * width,
-                      8 * width)
-    body = b"WAVE" + b"fmt " + struct.pack("<I", len(fmt)) + fmt + b"data" + \
-        struct.pack("<I", len(data)) + data
-    return b"RIFF" + struct.pack("<I", len(body)) + body
 
 
 @pytest.mark.parametrize(("rate", "channels"), [(10_000_000, 1), (16000, 64), (0, 1)])
 def test_absurd_rates_and_layouts_are_refused_at_upload(server: Server, rate: int,
                                                         channels: int) -> None:
     with server.client() as c:
-        r = post(c, "tiny.wav", wav_header(rate, channels))
+        r = post(c, "tiny.wav", wav_declaring(rate, channels))
     assert r.status_code in (415, 422), r.text
     assert r.json()["error"]["type"] in ("unsupported_media", "invalid_audio")
 
@@ -84,35 +65,13 @@ def test_a_sane_stereo_48k_wav_still_works(server: Server, clips: list[Clip]) ->
     assert r.status_code == 200 and "country" in r.json()["result"]["text"].lower()
 
 
-def lying_mkv(samples: np.ndarray, path: Path, claimed_s: float) -> bytes:
-    """16 kHz PCM in Matroska whose Segment Info Duration is overwritten with ``claimed_s``."""
-    import av
-
-    pcm = (np.clip(samples, -1, 1) * 32767).astype(np.int16)[None]
-    with av.open(str(path), "w", format="matroska") as c:
-        stream = c.add_stream("pcm_s16le", rate=16000, layout="mono")
-        for k in range(0, pcm.shape[1], 160_000):
-            f = av.AudioFrame.from_ndarray(np.ascontiguousarray(pcm[:, k:k + 160_000]),
-                                           format="s16", layout="mono")
-            f.sample_rate = 16000
-            for packet in stream.encode(f):
-                c.mux(packet)
-        for packet in stream.encode(None):
-            c.mux(packet)
-    data = bytearray(path.read_bytes())
-    at = data.find(b"\x44\x89\x88")  # EBML Duration, an 8-byte float in milliseconds
-    assert at > 0
-    data[at + 3:at + 11] = struct.pack(">d", claimed_s * 1000)
-    return bytes(data)
-
-
-def test_a_duration_lie_is_counted_at_the_decoded_length(server: Server, clips: list[Clip],
-                                                         tmp_path: Path) -> None:
+def test_a_duration_lie_is_counted_at_the_decoded_length(server: Server,
+                                                         clips: list[Clip]) -> None:
     """A Matroska file whose header says 5 s and which holds 180 s of speech: admitted at the
     header's length, then counted in the store (and the backlog) at the decoded length while
     it is still being transcribed; the result has the real length."""
     speech = np.concatenate([load(c.path, 16000).reshape(-1) for c in clips[:40]])
-    body = lying_mkv(np.tile(speech, 2)[: 180 * 16000], tmp_path / "liar.mka", 5.0)
+    body = lying_mkv(np.tile(speech, 2)[: 180 * 16000], 5.0)
     with server.client() as c:
         r = post(c, "liar.mka", body)
         assert r.status_code == 202, r.text

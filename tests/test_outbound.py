@@ -21,11 +21,9 @@ import trustme
 from app.config import OutboundSettings
 from app.errors import BadRequest
 from app.outbound import OutboundError, OutboundGuard, address_problem
+from loadtest.hostile_inputs import SSRF_URLS
 
 # The URLs the issue reported accepted (202) with webhooks on.
-SSRF_URLS = ("http://169.254.169.254/latest/meta-data/", "http://127.0.0.1:5432/",
-             "http://[::ffff:127.0.0.1]:22/", "http://2130706433/", "http://10.0.0.1/",
-             "http://localhost/")
 PUBLIC = "93.184.216.34"
 
 
