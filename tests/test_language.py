@@ -60,15 +60,16 @@ def faster_whisper_detected(paths: list[Path]) -> list[str]:
 
 
 def service_detected(server: Server, paths: list[Path]) -> list[str | None]:
-    """The language of each clip's transcript, posted with no language, 8 at a time (so
-    detection runs inside shared batches)."""
+    """The language the service decides for each clip posted with no language, 8 at a time (so
+    detection runs inside shared batches). Through POST /detect-language: the same detection as
+    a transcription's (the first speech window, at its own padded length, in a shared encoder
+    batch), without the decode, which is not what is measured here."""
     def one(p: Path) -> str | None:
         with httpx.Client(base_url=server.url, timeout=600) as c, p.open("rb") as f:
-            r = c.post("/transcribe", params={"wait": "true"}, files={"file": (p.name, f)})
+            r = c.post("/detect-language", files={"audio_file": (p.name, f)})
         assert r.status_code == 200, r.text
-        job = r.json()
-        assert job["status"] == "done", job
-        return job["result"]["language"]
+        code = r.json()["language_code"]
+        return None if code == "und" else str(code)
 
     with ThreadPoolExecutor(8) as pool:
         return list(pool.map(one, paths))

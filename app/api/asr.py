@@ -35,7 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from app.api.deps import Caller, caller, cue_query, ready_state
 from app.api.transcribe import accept_upload, decode_options, spool_upload
 from app.api.waiting import wait_for_job
-from app.errors import PayloadTooLarge
+from app.errors import InvalidAudio, PayloadTooLarge
 from app.formats import CueOptions, render, segment_words
 from app.schemas import ErrorBody
 from app.state import AppState
@@ -59,6 +59,9 @@ TEXT_ANSWER: dict[int | str, dict[str, Any]] = {
 }
 EncodeQuery = Annotated[bool, Query(description="false: the body is raw s16le 16 kHz mono PCM.")]
 AudioFile = Annotated[UploadFile, File(description="Audio or video file (or raw PCM, encode=false).")]
+
+
+MIN_PCM_BYTES = SAMPLE_RATE // 10 * 2  # 0.1 s of s16le: the shortest window the cutter keeps
 
 
 def spool_pcm(src: UploadFile, dest: Path, max_bytes: int, max_s: float | None = None) -> int:
@@ -85,6 +88,9 @@ def spool_pcm(src: UploadFile, dest: Path, max_bytes: int, max_s: float | None =
             out.writeframesraw(data[:whole])
             carry = data[whole:]
             kept += whole
+    if 0 < kept < MIN_PCM_BYTES:  # a few stray bytes are not audio: say so, do not transcribe
+        raise InvalidAudio(f"raw PCM (encode=false) of {kept} bytes is less than 0.1 s of "
+                           "16 kHz s16le audio")
     return kept
 
 

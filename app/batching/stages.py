@@ -10,13 +10,16 @@ what an offline run over sorted windows gets for free.
 A group is decoded when it is full; when its oldest has waited ``max_decode_wait_ms``; when it is
 alone (nothing queued or being encoded could join it and no other short request is in the
 service: a lone client gains nothing by waiting); or, failing all that, when a worker would
-otherwise idle (the largest group). Groups holding a short request's window go first.
+otherwise idle (the largest group). Groups holding a short request's window go first, and with
+several API keys a key's lone waiting window beside another key's flood (>= 4 waiting) makes its
+group ready at once: it does not wait for the flood's windows to fill the group.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections import Counter
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
@@ -25,6 +28,7 @@ from app.windows import DecodeOptions, Encoded, Window, WindowResult
 
 Stage = Literal["run", "encode", "decode"]  # run: both stages in one engine call
 GroupKey = tuple[DecodeOptions, int]  # options, padded length
+FLOOD = 4  # windows waiting from one API key that make another key's lone window go first
 
 
 @dataclass(frozen=True)
@@ -110,10 +114,17 @@ class DecodePool:
         """
         joining = {k for k, n in self._encoding.items() if n}
         shorts = shorts_in_flight
+        waiting: Counter[str | None] = Counter()  # windows waiting, by API key
         for i in queued:
             if not i.future.done():
                 joining.add((i.options, i.padded))
                 shorts += i.job_windows <= small
+                waiting[i.owner] += 1
+        for g in self.groups.values():
+            waiting.update(i.owner for i in g)
+        # A key with one window waiting beside a key flooding the service does not wait for its
+        # group to fill with the flood's windows: its group goes to the next free worker.
+        flood = len(waiting) > 1 and max(waiting.values()) >= FLOOD
         ready: tuple[tuple[bool, float], GroupKey] | None = None
         largest: tuple[int, float, GroupKey] | None = None
         deadline: float | None = None
@@ -128,7 +139,8 @@ class DecodePool:
             # Other short requests in the service mean more are coming (a load, not a lone
             # client): then a group waits to fill.
             alone = key not in joining and shorts <= len(live)
-            if len(live) >= limit or at <= now or alone:
+            minority = flood and any(waiting[i.owner] <= 1 for i in live)
+            if len(live) >= limit or at <= now or alone or minority:
                 order = (all(i.job_windows > small for i in live), live[0].enqueued)
                 if ready is None or order < ready[0]:
                     ready = (order, key)
