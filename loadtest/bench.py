@@ -43,7 +43,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from loadtest import speakers_bench
+from loadtest import peer, speakers_bench
 from loadtest.common import (
     SHORT_CLIP_S,
     Clip,
@@ -255,6 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rss-hours", type=float, default=4.0,
                    help="the upload of the memory phase (a fresh server); 0 skips it")
     speakers_bench.add_arguments(p)
+    peer.add_arguments(p)
     p.add_argument("--server-env", action="append", default=[], metavar="KEY=VALUE",
                    help="extra service settings, e.g. BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE=8")
     p.add_argument("--model", default="whisper-base")
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clips", type=int, default=None, help="use a spread subset of N clips")
     p.add_argument("--skip", default="",
                    help="comma list of phases to leave out: "
-                        "baselines,engine,service,wer,load,long,rss,diarize")
+                        "baselines,engine,service,wer,load,long,rss,diarize,peer")
     p.add_argument("--no-tcmalloc", action="store_true", help="every phase on glibc malloc")
     p.add_argument("--workdir", type=Path, default=None, help="default: a temp dir, removed")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/bench.json"))
@@ -309,6 +310,9 @@ def main(argv: list[str] | None = None) -> int:
             path = work / f"long-{args.rss_hours:g}h.flac"
             seconds = write_long_flac(clips, path, args.rss_hours * 3600)
             res["rss"] = asyncio.run(run_rss(args, work, clips, path, seconds))
+        if "peer" not in skip:  # the same closed loop on faster-whisper-server, its own venv
+            log("peer: faster-whisper-server side by side (loadtest/peer.py)")
+            res["peer"] = asyncio.run(peer.phase(args, work, clips))
         analyse(res, clips)
     finally:
         res["meta"]["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")

@@ -43,6 +43,7 @@ def analyse_traffic(res: dict[str, Any], clips: list[Clip], check: Check,
     out["no_language/en"] = _r(auto, en)
     check("no language ÷ language=en, same run", out["no_language/en"], TARGETS["no_language"])
     out["no_language/engine_limit"] = _r(auto, limit)
+    out["service/peer"] = _r(auto, ((res.get("peer") or {}).get("load") or {}).get("throughput_x"))
     b1 = (eng.get("batch1") or {}).get("throughput_x")
     full = (eng.get("full_axis") or {}).get("throughput_x")
     out["engine_limit/batch1"] = _r(limit, b1)
@@ -108,6 +109,13 @@ def render_traffic(res: dict[str, Any]) -> list[str]:
                      f"{_x(t.get('no_language/en'))} of language=en ({_x(load_en.get('throughput_x'))}) "
                      f"| ≥ {TARGETS['no_language']}x | "
                      f"{_ok(checks, 'no language ÷ language=en, same run')} |")
+    peer = (res.get("peer") or {}).get("load")
+    if peer and load:
+        p = res["peer"]
+        lines.append(f"| peer: {p['settings']['package']} (its own venv), {peer.get('clients')} "
+                     f"clients, no language, its defaults (beam 5, no VAD), "
+                     f"{p['settings']['layout']} processes x threads | {_x(peer.get('throughput_x'))}"
+                     f" | service (no language) ÷ peer {_x(t.get('service/peer'))} | | context |")
     if eng.get("batch1"):
         lines.append(f"| engine, same config and windows, **batch 1** (what cross-request batching "
                      f"buys: limit ÷ this {_x(t.get('engine_limit/batch1'))}, service ÷ this "
@@ -133,6 +141,16 @@ def render_traffic(res: dict[str, Any]) -> list[str]:
                   f"all; the upload kept in flight) | {lat.get('n')} | {lat.get('p50_s')} s | "
                   f"{lat.get('p95_s')} s | p95 {_x(t.get('long_p95/idle_p95'))} idle (≤ 3x) "
                   f"{_ok(checks, 'short p95 from a 20-min upload' + chr(39) + 's POST ÷ idle p95')} |"]
+    if peer and load:
+        p, mine = res["peer"], load.get("latency_short", {})
+        lines += ["", f"Peer under the same {peer.get('clients')}-client closed loop: clips ≤ 10 s "
+                  f"p50 {peer['latency_short'].get('p50_s')} s, p95 "
+                  f"{peer['latency_short'].get('p95_s')} s (service, no language: "
+                  f"{mine.get('p50_s')} s, {mine.get('p95_s')} s); its peak RSS "
+                  f"{p.get('peak_rss_mb')} MB summed over its processes; "
+                  f"{peer.get('requests_failed')} failed; WER over the "
+                  f"{p['wer'].get('clips_transcribed')} clips it finished "
+                  f"{p['wer'].get('all', {}).get('wer_percent')} %."]
     rss = res.get("rss")
     if rss:
         lines += ["", f"Memory: a fresh server's idle peak RSS {rss['idle_peak_rss_mb']} MB; with a "
