@@ -186,6 +186,9 @@ async def run_rss(args: argparse.Namespace, work: Path, clips: list[Clip],
     env = dict(kv.split("=", 1) for kv in args.server_env)
     env.setdefault("BATCHSCRIBE_MODEL__NAME", args.model)
     env["BATCHSCRIBE_LIMITS__MAX_UPLOAD_BYTES"] = str(max(path.stat().st_size * 2, 2**29))
+    # The file is the corpus repeated to at least --rss-hours: a little over 4 h by default,
+    # past the default max_audio_s (4 h), which answered 413.
+    env["BATCHSCRIBE_LIMITS__MAX_AUDIO_S"] = str(int(audio_s) + 600)
     log(f"rss: a fresh server, then a {audio_s / 3600:.1f} h upload ({path.stat().st_size >> 20}"
         " MiB FLAC)")
     server = Server(work / "server-rss", env=env, tcmalloc=not args.no_tcmalloc).start()
