@@ -209,8 +209,8 @@ class WhisperEngine:
         (the English miss: a 2.2 s clip of a child's accented English read as zh at p=0.37; a
         3.3 s Spanish clip right but at p=0.18, 0.53 at 30 s). So an answer below
         ``DETECT_SURE`` is asked again of the window padded to Whisper's 30 s: one more encoder
-        pass for those rare, short, ambiguous windows, none for the rest
-        (``loadtest/results/multilingual-lid.json``)."""
+        pass for those rare, short, ambiguous windows, none for the rest (measured: 3 of the
+        119 first windows of the two corpora, each 2.2-3.3 s; 2 of the 83 English clips)."""
         out: list[tuple[str, float | None] | None] = []
         need: list[int] = []
         for k, w in enumerate(windows):
