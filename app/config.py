@@ -74,6 +74,13 @@ class ModelSettings(BaseModel):
         "hallucination loop ('uh, uh, uh, ...') otherwise runs to the model's 224 tokens, and its "
         "batch with it: ~10x a normal window's decode. 0: no cap but the model's.",
     )
+    loop_penalties: list[float] = Field(
+        [1.1, 1.3],
+        description="A window whose decode still loops at 30 s (compression > 2.4) is decoded "
+        "again with each repetition penalty in turn until it stops looping: the deterministic "
+        "stand-in for faster-whisper's temperature fallback (sampling would make a window's text "
+        "depend on what ran before it on its engine thread). []: keep the loop.",
+    )
     engines: int = Field(
         0, ge=0, le=64,
         description="Resident model copies (engines); each batch goes to the least loaded one. "

@@ -142,7 +142,9 @@ async def run_service(args: argparse.Namespace, work: Path, clips: list[Clip],
                 # a drift of the VM's speed then moves both sides of the ratio.
                 limit = await asyncio.to_thread(measure_limit, k) if measure_limit else None
                 rnd: dict[str, Any] = {"engine_limit": limit}
-                for key, c, ref in (("load_en", client_en, texts_en), ("load", client, texts)):
+                pair = [("load_en", client_en, texts_en), ("load", client, texts)]
+                # Alternate which goes first, so neither side always follows the idle limit run.
+                for key, c, ref in (pair if k % 2 == 0 else pair[::-1]):
                     log(f"service round {k + 1}/{args.rounds} ({key}): {args.clients} clients, "
                         f"{args.warmup:.0f}s warm-up + {args.duration:.0f}s")
                     rnd[key] = await _load_round(c, args, clips, pid, threads, ref)

@@ -1,9 +1,11 @@
-"""The decode length cap (``MODEL__MAX_TOKENS_PER_S``), on the real model and corpus audio.
+"""The decode length cap (``MODEL__MAX_TOKENS_PER_S``) and the loop fallback
+(``MODEL__LOOP_PENALTIES``), on the real model and corpus audio.
 
 A decoder that loops ("uh, uh, uh, ...") runs to the model's 224 tokens, and its whole batch
 waits on it. The cap stops it after a length set by the audio's duration; a window that fills
 the cap *without* looping is dense speech and is decoded again at the model's own limit, so no
-real text is ever cut.
+real text is ever cut. A window still looping at 30 s is decoded again with a repetition
+penalty; both are per window, so a window's text does not depend on its batch mates.
 """
 
 from __future__ import annotations
@@ -25,16 +27,26 @@ LOOPING_CLIP = "mfa-mfa_uhuh"  # 5.8 s of "uh, uh": whisper-base loops on it at 
 EN = DecodeOptions()
 
 
-def make_engine(tokens_per_s: float) -> WhisperEngine:
+def make_engine(tokens_per_s: float, loop_penalties: list[float] | None = None) -> WhisperEngine:
     s = Settings()
+    penalties = s.model.loop_penalties if loop_penalties is None else loop_penalties
     return WhisperEngine(resolve(s.model.name, s.model.cache_dir, True),
-                         ModelSettings(num_workers=1, cpu_threads=2,
-                                       max_tokens_per_s=tokens_per_s), s.model.name)
+                         ModelSettings(num_workers=1, cpu_threads=2, max_tokens_per_s=tokens_per_s,
+                                       loop_penalties=penalties), s.model.name)
 
 
 @pytest.fixture(scope="module")
 def uncapped() -> Iterator[WhisperEngine]:
-    eng = make_engine(0.0)
+    """No cap and no loop fallback: a loop runs to the model's limit."""
+    eng = make_engine(0.0, [])
+    yield eng
+    eng.close()
+
+
+@pytest.fixture(scope="module")
+def looping() -> Iterator[WhisperEngine]:
+    """The default cap, no loop fallback: a loop is cut at its window's budget and kept."""
+    eng = make_engine(Settings().model.max_tokens_per_s, [])
     yield eng
     eng.close()
 
@@ -47,14 +59,14 @@ def windows_of(clip: Clip, prompt: Prompt | None = None) -> list[Window]:
 
 
 @pytest.mark.model
-def test_a_looping_decode_stops_at_the_cap(engine: WhisperEngine, uncapped: WhisperEngine,
+def test_a_looping_decode_stops_at_the_cap(looping: WhisperEngine, uncapped: WhisperEngine,
                                            clips: list[Clip]) -> None:
     (clip,) = [c for c in clips if c.id == LOOPING_CLIP]
     (window,) = windows_of(clip)
     loop = uncapped.transcribe_batch([window], EN)[0]
     assert loop.compression_ratio > 2.4 and len(loop.tokens) == 224  # the premise: it loops
 
-    capped = engine.transcribe_batch([window], EN)[0]
+    capped = looping.transcribe_batch([window], EN)[0]
     cap = math.ceil(Settings().model.max_tokens_per_s * window.duration) + TOKEN_SLACK
     assert len(capped.tokens) == cap  # cut at the window's own budget
     assert capped.compression_ratio > 2.4  # still flagged as the loop it is
@@ -94,15 +106,23 @@ def test_speech_that_fills_the_cap_is_decoded_again_in_full(uncapped: WhisperEng
 
 @pytest.mark.model
 def test_a_looping_window_reads_the_same_alone_and_beside_a_long_window(
-        engine: WhisperEngine, clips: list[Clip]) -> None:
+        looping: WhisperEngine, engine: WhisperEngine, clips: list[Clip]) -> None:
     """The budget is the window's own: batched beside a 25-30 s window (whose budget is ~5x
-    larger, so the call runs longer), the looping clip is cut where it is cut alone."""
+    larger, so the call runs longer), the looping clip is cut where it is cut alone. With the
+    loop fallback (the service's default), it is decoded again with a repetition penalty, and
+    that too is the window's own: the same text alone and batched, and no longer a loop."""
     (clip,) = [c for c in clips if c.id == LOOPING_CLIP]
     (window,) = windows_of(clip)
     longest = max((w for c in clips if c.set in READ_SPEECH for w in windows_of(c)),
                   key=lambda w: w.duration)
     assert longest.duration > 20
-    alone = engine.transcribe_batch([window], EN)[0]
-    beside = engine.transcribe_batch([longest, window], EN)[1]
+    alone = looping.transcribe_batch([window], EN)[0]
+    beside = looping.transcribe_batch([longest, window], EN)[1]
     assert alone.compression_ratio > 2.4  # the premise: it loops
     assert beside.text == alone.text and beside.tokens == alone.tokens
+
+    fixed = engine.transcribe_batch([window], EN)[0]
+    fixed_beside = engine.transcribe_batch([longest, window], EN)
+    assert fixed.compression_ratio <= 2.4 and fixed.text.strip()
+    assert fixed_beside[1].text == fixed.text and fixed_beside[1].tokens == fixed.tokens
+    assert fixed_beside[0].text == looping.transcribe_batch([longest], EN)[0].text  # untouched

@@ -36,6 +36,7 @@ from app.windows import (
     N_SAMPLES,
     PAD_STEP_S,
     SAMPLE_RATE,
+    TOKENS_PER_SECOND,
     DecodeOptions,
     Encoded,
     Window,
@@ -44,7 +45,9 @@ from app.windows import (
 
 log = logging.getLogger(__name__)
 Languages = list[tuple[str, float | None]]
-DETECT_SURE = 0.5  # a detection less sure than this is asked again at 30 s (see _languages)
+DETECT_TAIL_S = 2.0  # detection looks at the window's audio and this much of its padding
+DETECT_LOOK_AGAIN = 0.8  # less sure than this: asked again of the whole encoder output
+DETECT_SURE = 0.5  # still less sure than this: asked again at 30 s (see _languages)
 
 
 def padded_length(samples: int, margin: int) -> int:
@@ -102,6 +105,7 @@ class WhisperEngine:
         self.dynamic = time_axis(settings, device) == "dynamic"
         self._margin = int(settings.pad_margin_s * SAMPLE_RATE)
         self._tokens_per_s = settings.max_tokens_per_s
+        self._penalties = tuple(settings.loop_penalties)
         self._limit = int(self.model.max_length)
         self.info = EngineInfo(model_name, device, compute_type, workers, index)
         log.info("engine ready: %s", self.info)
@@ -144,7 +148,7 @@ class WhisperEngine:
         enc, langs = self._encode(windows, n, languages)
         if options.detect_only:
             return [WindowResult.detection(lang, prob) for lang, prob in langs]
-        out = self._decode(windows, enc, langs, options)
+        out = self._decode(windows, enc, langs, options, n)
         return self._redo_degenerate(windows, out, langs, options, n)
 
     def _redo_degenerate(self, windows: Sequence[Window], out: list[WindowResult],
@@ -190,7 +194,7 @@ class WhisperEngine:
             raise ValueError("a decoder batch needs one padded length")
         feats = ctranslate2.StorageView.from_array(np.stack([e.features for e in encoded]))
         languages = [(e.language, e.language_probability) for e in encoded]
-        out = self._decode(windows, feats, languages, options)
+        out = self._decode(windows, feats, languages, options, n)
         return self._redo_degenerate(windows, out, languages, options, n)
 
     # ---- the model calls --------------------------------------------------------------------
@@ -204,13 +208,21 @@ class WhisperEngine:
         """Each window's language: given; its upload's, once decided; else detected from this
         encoder output (the first detection of an upload decides the upload's language).
 
-        Detection at the dynamic length agrees with detection at 30 s on every clip of the
-        multilingual corpus and on 82 of the 83 English ones; where it does not, it is unsure
-        (the English miss: a 2.2 s clip of a child's accented English read as zh at p=0.37; a
-        3.3 s Spanish clip right but at p=0.18, 0.53 at 30 s). So an answer below
-        ``DETECT_SURE`` is asked again of the window padded to Whisper's 30 s: one more encoder
-        pass for those rare, short, ambiguous windows, none for the rest (measured: 3 of the
-        119 first windows of the two corpora, each 2.2-3.3 s; 2 of the 83 English clips)."""
+        Detection is one decoder step, but that step first projects every encoder position into
+        each layer's cross-attention keys and values: measured on the English corpus, ~4 % of
+        the engine's time at the dynamic length, where a 5 s window is padded to 15 s. So it
+        looks in three steps, each only for windows the step before left unsure:
+
+        1. the encoder positions of the window's own audio plus ``DETECT_TAIL_S`` of its
+           padding (in 1 s steps, so the answer depends on the window alone, not on its batch
+           mates); agrees with 30 s on 117 of 119 first windows of the two corpora, and both
+           misses are under ``DETECT_LOOK_AGAIN``;
+        2. below ``DETECT_LOOK_AGAIN``: the whole encoder output at the dynamic length; agrees
+           with 30 s on 118 of 119 (the miss: a 2.2 s clip of a child's accented English read
+           as zh at p=0.37);
+        3. below ``DETECT_SURE``: the window padded to Whisper's 30 s, one more encoder pass
+           (3 of the 119 first windows, each 2.2-3.3 s; 2 of the 83 English clips).
+        On CUDA (full axis) the first step is the only one."""
         out: list[tuple[str, float | None] | None] = []
         need: list[int] = []
         for k, w in enumerate(windows):
@@ -225,17 +237,44 @@ class WhisperEngine:
                 out.append(None)
                 need.append(k)
         if need:
-            found = [detected(d) for d in
-                     self.model.model.detect_language(batch_rows(encoder_output, need))]
+            found = self._detect(windows, encoder_output, need)
+            unsure = [j for j, (_, prob) in enumerate(found) if prob < DETECT_LOOK_AGAIN]
+            if unsure and self._device == "cpu":
+                again = self.model.model.detect_language(
+                    batch_rows(encoder_output, [need[j] for j in unsure]))
+                for j, d in zip(unsure, again, strict=True):
+                    found[j] = detected(d)
             unsure = [j for j, (_, prob) in enumerate(found) if prob < DETECT_SURE]
             if unsure and n < N_SAMPLES:
-                again = self._detect_full([windows[need[j]] for j in unsure])
-                for j, d in zip(unsure, again, strict=True):
+                for j, d in zip(unsure, self._detect_full([windows[need[j]] for j in unsure]),
+                                strict=True):
                     found[j] = d
             for k, (lang, prob) in zip(need, found, strict=True):
                 choice = windows[k].prompt.choice
                 out[k] = choice.decide(lang, prob) if choice is not None else (lang, prob)
         return [x for x in out if x is not None]
+
+    def _detect(self, windows: Sequence[Window], encoder_output: Any,
+                need: list[int]) -> list[tuple[str, float]]:
+        """Step 1 of :meth:`_languages`: each window's own positions, grouped by their count."""
+        import ctranslate2
+
+        if self._device != "cpu":
+            return [detected(d) for d in
+                    self.model.model.detect_language(batch_rows(encoder_output, need))]
+        rows = np.asarray(encoder_output)
+        step = int(TOKENS_PER_SECOND)
+        groups: dict[int, list[int]] = {}
+        for j, k in enumerate(need):
+            look = len(windows[k].audio) / SAMPLE_RATE + DETECT_TAIL_S
+            groups.setdefault(min(rows.shape[1], math.ceil(look) * step), []).append(j)
+        found: list[tuple[str, float]] = [("", 0.0)] * len(need)
+        for frames, js in groups.items():
+            part = np.ascontiguousarray(rows[[need[j] for j in js], :frames])
+            answers = self.model.model.detect_language(ctranslate2.StorageView.from_array(part))
+            for j, d in zip(js, answers, strict=True):
+                found[j] = detected(d)
+        return found
 
     def _detect_full(self, windows: Sequence[Window]) -> list[tuple[str, float]]:
         """Detection on the windows padded to 30 s (Whisper's own input)."""
@@ -244,7 +283,7 @@ class WhisperEngine:
         return [detected(d) for d in self.model.model.detect_language(self.model.encode(feats))]
 
     def _decode(self, windows: Sequence[Window], encoder_output: Any, languages: Languages,
-                options: DecodeOptions) -> list[WindowResult]:
+                options: DecodeOptions, n: int) -> list[WindowResult]:
         task = options.task
         prompts = [self._prompts.tokens(w.prompt, lang, task)
                    for w, (lang, _) in zip(windows, languages, strict=True)]
@@ -264,6 +303,8 @@ class WhisperEngine:
                 lang, prob = languages[k]
                 out[k] = to_result(res, lang, prob, self._prompts.tokenizer(lang, task), options,
                                    self._limit)
+        if n == N_SAMPLES and options.temperature == 0:
+            self._unloop(encoder_output, prompts, budgets, languages, options, out)
         if options.word_timestamps:
             from app.engine.words import align  # imports torch-free numpy code only when asked
 
@@ -273,8 +314,38 @@ class WhisperEngine:
                 r.words = words
         return out
 
+    def _unloop(self, encoder_output: Any, prompts: list[list[int]], budgets: list[int],
+                languages: Languages, options: DecodeOptions, out: list[WindowResult]) -> None:
+        """Windows that still loop at Whisper's 30 s, decoded again with a repetition penalty.
+
+        faster-whisper falls back to sampling at rising temperatures; sampling draws from each
+        CTranslate2 worker thread's own generator, so a window's text would depend on what ran
+        on that thread before it. A repetition penalty is deterministic and per window, and
+        breaks the loops too (measured: a 15 s Japanese clip translated as "a ship of
+        shipwrecked ships, ..." to the decode cap at beam 1 and 5; at 1.1 it is a sentence;
+        over the 12 translated clips chrF rose 35.1 -> 37.9 at beam 1, 36.8 -> 40.3 at beam 5).
+        Each of ``loop_penalties`` is tried on the windows the one before left looping; a
+        window keeps the decode that compresses least."""
+        loops = [k for k, r in enumerate(out) if degenerate(r)]
+        for penalty in self._penalties:
+            if not loops:
+                return
+            again = self._generate(batch_rows(encoder_output, loops), [prompts[k] for k in loops],
+                                   options, [budgets[k] for k in loops],
+                                   repetition_penalty=penalty)
+            still = []
+            for k, res in zip(loops, again, strict=True):
+                lang, prob = languages[k]
+                r = to_result(res, lang, prob, self._prompts.tokenizer(lang, options.task),
+                              options, budgets[k])
+                if r.compression_ratio < out[k].compression_ratio:
+                    out[k] = r
+                if degenerate(out[k]):
+                    still.append(k)
+            loops = still
+
     def _generate(self, encoder_output: Any, prompts: list[list[int]], options: DecodeOptions,
-                  budgets: list[int]) -> list[Any]:
+                  budgets: list[int], **extra: Any) -> list[Any]:
         """One ``generate`` per position of <|startoftranscript|> in the prompts.
 
         CTranslate2 takes one prompt per batch item but requires the start token at the same
@@ -293,7 +364,7 @@ class WhisperEngine:
             results = self.model.model.generate(
                 batch_rows(encoder_output, idx), part, length_penalty=1, max_length=length,
                 suppress_blank=True, suppress_tokens=[-1], return_scores=True,
-                return_no_speech_prob=True, **search_args(options),
+                return_no_speech_prob=True, **search_args(options), **extra,
             )
             for k, r in zip(idx, results, strict=True):
                 out[k] = r
