@@ -78,6 +78,8 @@ def test_page_is_public_and_the_api_is_not(keyed: Server) -> None:
 
 def test_upload_follow_read_and_download(browser: Any, keyed: Server, clips: list[Clip],
                                          tmp_path: Path) -> None:
+    from playwright.sync_api import expect
+
     by_id = {c.id: c for c in clips}
     picked = [by_id["librivox-shakespeare-sonnet-1"], by_id["jfk-inaugural-1961"]]
     context = browser.new_context(accept_downloads=True)
@@ -89,7 +91,9 @@ def test_upload_follow_read_and_download(browser: Any, keyed: Server, clips: lis
     page.wait_for_selector("#key-form:not([hidden])")  # the service wants a key: the page asks
     page.fill("#key", "not-the-key")
     page.click("#key-save")
-    page.wait_for_function("document.getElementById('key-error').textContent.includes('not accepted')")
+    # Playwright's own text matcher: a string given to wait_for_function is evaluated in the
+    # page, which the page's Content-Security-Policy (script-src 'self') forbids once it polls.
+    expect(page.locator("#key-error")).to_contain_text("not accepted")
     page.fill("#key", KEY)
     page.click("#key-save")
     page.wait_for_selector("#st-ready.ok")
@@ -122,7 +126,7 @@ def test_upload_follow_read_and_download(browser: Any, keyed: Server, clips: lis
     sonnet = jobs.nth(0)
     assert int(sonnet.get_attribute("data-progress-events") or 0) >= 2  # two windows: seen move
     # The state panel read /status with the key: the engine has run batches by now.
-    page.wait_for_function("document.getElementById('st-batch').textContent.includes('windows')")
+    expect(page.locator("#st-batch")).to_contain_text("windows")
     assert "ready" in page.inner_text("#st-ready")
     assert errors == []
     context.close()
