@@ -81,6 +81,13 @@ class ModelSettings(BaseModel):
         "stand-in for faster-whisper's temperature fallback (sampling would make a window's text "
         "depend on what ran before it on its engine thread). []: keep the loop.",
     )
+    unsure_beam_size: int = Field(
+        5, ge=1, le=16,
+        description="A window decoded at a smaller beam whose decode is unsure at 30 s (average "
+        "log-probability < -1 on speech, Whisper's fallback test) is decoded again at this beam "
+        "and keeps the likelier text: faster-whisper's default beam where the model needs it. "
+        "1: off.",
+    )
     engines: int = Field(
         0, ge=0, le=64,
         description="Resident model copies (engines); each batch goes to the least loaded one. "

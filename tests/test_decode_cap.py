@@ -27,26 +27,29 @@ LOOPING_CLIP = "mfa-mfa_uhuh"  # 5.8 s of "uh, uh": whisper-base loops on it at 
 EN = DecodeOptions()
 
 
-def make_engine(tokens_per_s: float, loop_penalties: list[float] | None = None) -> WhisperEngine:
+def make_engine(tokens_per_s: float, fallback: bool = True) -> WhisperEngine:
+    """``fallback=False``: neither loop penalties nor the unsure window's wider beam."""
     s = Settings()
-    penalties = s.model.loop_penalties if loop_penalties is None else loop_penalties
+    penalties = s.model.loop_penalties
     return WhisperEngine(resolve(s.model.name, s.model.cache_dir, True),
                          ModelSettings(num_workers=1, cpu_threads=2, max_tokens_per_s=tokens_per_s,
-                                       loop_penalties=penalties), s.model.name)
+                                       loop_penalties=penalties if fallback else [],
+                                       unsure_beam_size=s.model.unsure_beam_size if fallback
+                                       else 1), s.model.name)
 
 
 @pytest.fixture(scope="module")
 def uncapped() -> Iterator[WhisperEngine]:
-    """No cap and no loop fallback: a loop runs to the model's limit."""
-    eng = make_engine(0.0, [])
+    """No cap and no fallback: a loop runs to the model's limit."""
+    eng = make_engine(0.0, fallback=False)
     yield eng
     eng.close()
 
 
 @pytest.fixture(scope="module")
 def looping() -> Iterator[WhisperEngine]:
-    """The default cap, no loop fallback: a loop is cut at its window's budget and kept."""
-    eng = make_engine(Settings().model.max_tokens_per_s, [])
+    """The default cap, no fallback: a loop is cut at its window's budget and kept."""
+    eng = make_engine(Settings().model.max_tokens_per_s, fallback=False)
     yield eng
     eng.close()
 

@@ -36,6 +36,12 @@ def degenerate(r: WindowResult) -> bool:
     return r.compression_ratio > 2.4
 
 
+def unsure(r: WindowResult) -> bool:
+    """Whisper's own test for a low-confidence decode of real speech: average log-probability
+    under -1 where the model does not think the window silent (no-speech probability < 0.6)."""
+    return r.avg_logprob < -1.0 and r.no_speech_prob < 0.6
+
+
 def budget(duration_s: float, tokens_per_s: float, limit: int) -> int:
     """A window's token budget: by its audio, at most what the model can generate (limit // 2)."""
     if not tokens_per_s:
