@@ -17,6 +17,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, Field, SecretStr, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from app.windows import SPEECH_PAD_S
+
 DEFAULT_HOME = Path(os.environ.get("BATCHSCRIBE_HOME", Path.home() / ".cache" / "batchscribe"))
 
 
@@ -224,6 +226,13 @@ class PrepSettings(BaseModel):
         60.0, ge=5.0, le=3600.0,
         description="Audio decoded and VAD-cut per prep step: a long upload's first windows reach "
         "the batcher after one chunk, and only about one chunk of its audio is held at a time.",
+    )
+    speech_pad_s: float = Field(
+        SPEECH_PAD_S, ge=0.0, le=5.0,
+        description="Audio kept each side of a speech span (Silero VAD; halved between spans "
+        "closer than twice this). faster-whisper keeps 0.4 s; 1.4 s measured better on both "
+        "corpora (English WER 13.9 -> 13.0 %, 11 languages 26.4 -> 25.4 %) for ~5 % more "
+        "encoder time. Spans are final 2 x this after their speech ends.",
     )
     ahead_windows: int = Field(
         24, ge=1, le=10_000,

@@ -116,7 +116,7 @@ def create_app(settings: Settings | None = None,
         vad_kind = settings.model.vad
         if vad_kind == "auto":  # Silero runs on the prep threads' CPU, one per prep thread
             vad_kind = "silero"
-        vad = await asyncio.to_thread(make_vad, vad_kind, device)
+        vad = await asyncio.to_thread(make_vad, vad_kind, device, settings.prep.speech_pad_s)
         metrics.model_info.info({"model": engine.info.model, "device": engine.info.device,
                                  "compute_type": engine.info.compute_type, "vad": vad_kind,
                                  "workers": str(engine.info.num_workers),

@@ -31,6 +31,7 @@ pytestmark = pytest.mark.model
 # avg logprob -1.56; a 5.7 s Portuguese clip translated at -1.42.
 UNSURE_TRANSCRIBE: tuple[str, str, Task] = ("picovoice-es-cheetah-9a892e99", "es", "transcribe")
 UNSURE_TRANSLATE: tuple[str, str, Task] = ("fleurs-pt-cuttledoc-002", "pt", "translate")
+TIGHT = 0.4
 
 
 def make(time_axis: str, unsure_beam_size: int) -> WhisperEngine:
@@ -50,7 +51,7 @@ def engines() -> Iterator[dict[str, WhisperEngine]]:
 
 def window(clip_id: str, language: str) -> Window:
     path = {i: p for i, p, _ in multilingual()}[clip_id]
-    w = prepare(path, SileroVad(), 3600)[1][0]
+    w = prepare(path, SileroVad(TIGHT), 3600)[1][0]
     w.prompt = Prompt(language=language)
     return w
 

@@ -3,18 +3,23 @@ faster-whisper's own ``get_speech_timestamps`` finds, on the corpus's real audio
 
 from __future__ import annotations
 
+import itertools
+
 import numpy as np
 import pytest
 
 from app.audio import decode
 from app.audio.vad import BLOCK, CHUNK, SileroVad, speech_spans
+from app.windows import SPEECH_PAD_S
 from tests.conftest import Clip
 
 
-def faster_whisper_spans(audio: np.ndarray) -> list[tuple[int, int]]:
+def faster_whisper_spans(audio: np.ndarray,
+                         pad_s: float = SPEECH_PAD_S) -> list[tuple[int, int]]:
     from faster_whisper.vad import VadOptions, get_speech_timestamps
 
-    opts = VadOptions(threshold=0.5, max_speech_duration_s=30.0, min_silence_duration_ms=160)
+    opts = VadOptions(threshold=0.5, max_speech_duration_s=30.0, min_silence_duration_ms=160,
+                      speech_pad_ms=round(pad_s * 1000))
     return [(t["start"], t["end"]) for t in get_speech_timestamps(audio, opts)]
 
 
@@ -45,7 +50,28 @@ def test_speech_spans_equal_faster_whispers_on_every_corpus_clip(
         vad: SileroVad, corpus_audio: list[np.ndarray]) -> None:
     assert len(corpus_audio) >= 80
     for audio in corpus_audio:
-        assert speech_spans(vad.probabilities(audio), audio.size) == faster_whisper_spans(audio)
+        probs = vad.probabilities(audio)
+        assert speech_spans(probs, audio.size) == faster_whisper_spans(audio)
+        # and at faster-whisper's own padding (0.4 s): the rules, not just one setting
+        assert speech_spans(probs, audio.size, 0.4) == faster_whisper_spans(audio, 0.4)
+
+
+def test_the_padding_reaches_into_the_audio_around_speech(
+        vad: SileroVad, corpus_audio: list[np.ndarray]) -> None:
+    """The service's padding is wider than faster-whisper's, never past the audio, and spans
+    never overlap (neighbours closer than twice the pad split the gap)."""
+    assert SPEECH_PAD_S > 0.4
+    wider = 0
+    for audio in corpus_audio:
+        probs = vad.probabilities(audio)
+        ours, theirs = speech_spans(probs, audio.size), speech_spans(probs, audio.size, 0.4)
+        assert all(0 <= s < e <= audio.size for s, e in ours)
+        assert all(a[1] <= b[0] for a, b in itertools.pairwise(ours))
+        if len(ours) == len(theirs):
+            assert all(s1 <= s2 and e1 >= e2 for (s1, e1), (s2, e2) in zip(ours, theirs,
+                                                                          strict=True))
+            wider += ours != theirs
+    assert wider >= len(corpus_audio) // 2
 
 
 def test_long_audio_and_edge_cases(vad: SileroVad, corpus_audio: list[np.ndarray]) -> None:

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from app.windows import SAMPLE_RATE, WINDOW_S
+from app.windows import SAMPLE_RATE, SPEECH_PAD_S, WINDOW_S
 
 # pyannote.audio (whisperx's VAD) ships telemetry switched on: loading one of its models sends a
 # span to otel.pyannote.ai. A server does not phone home unless its operator says so; this runs
@@ -93,12 +93,13 @@ def _session(model: bytes) -> Any:
 class SileroVad:
     """faster-whisper's Silero VAD model and thresholds; the STFT by FFT (see the module doc)."""
 
-    def __init__(self) -> None:
+    def __init__(self, pad_s: float = SPEECH_PAD_S) -> None:
         import onnx
         import onnx.utils
         from faster_whisper.utils import get_assets_path
         from faster_whisper.vad import SileroVADModel
 
+        self.pad_s = pad_s
         path = str(Path(get_assets_path()) / "silero_vad_v6.onnx")
         # faster-whisper's own model: the reference of the start-up check, and the fallback.
         self._whole = SileroVADModel(path)
@@ -192,7 +193,7 @@ class SileroStream:
 
     def __init__(self, vad: SileroVad) -> None:
         self._probs = _Probabilities(vad)
-        self._spans = SpanTracker()
+        self._spans = SpanTracker(speech_pad_ms=round(vad.pad_s * 1000))
         self._samples = 0
 
     def feed(self, samples: np.ndarray) -> list[tuple[int, int]]:
@@ -210,9 +211,10 @@ class SileroStream:
         return self._spans.keep_from()
 
 
-def speech_spans(probs: np.ndarray, n_samples: int) -> list[tuple[int, int]]:
+def speech_spans(probs: np.ndarray, n_samples: int,
+                 pad_s: float = SPEECH_PAD_S) -> list[tuple[int, int]]:
     """Speech spans in samples from the probabilities of a whole upload (:class:`SpanTracker`)."""
-    t = SpanTracker()
+    t = SpanTracker(speech_pad_ms=round(pad_s * 1000))
     return t.feed(probs) + t.finish(n_samples)
 
 
@@ -221,14 +223,16 @@ class SpanTracker:
     on its own cached model), one probability at a time. Hysteresis between ``threshold`` and
     ``threshold - 0.15``; a span ends after ``min_silence_ms`` below it; one longer than
     ``max_speech_s`` is split at its last silence of > 98 ms, or else cut; spans are padded by
-    ``speech_pad_ms`` each side (split evenly when closer).
+    ``speech_pad_ms`` each side (split evenly when closer): faster-whisper's 400 ms, or the
+    service's :data:`~app.windows.SPEECH_PAD_S`.
 
     A span is final once the next one has begun (their gap is known) or once the audio has gone
     2 x pad past its end with nothing begun (the gap is at least that): the same spans as one
-    pass over the whole upload, with at most ~0.8 s of lookahead (``tests/test_prep.py``)."""
+    pass over the whole upload, with at most ~2 x pad of lookahead (``tests/test_prep.py``)."""
 
     def __init__(self, threshold: float = 0.5, max_speech_s: float = WINDOW_S,
-                 min_silence_ms: int = 160, speech_pad_ms: int = 400) -> None:
+                 min_silence_ms: int = 160,
+                 speech_pad_ms: int = round(SPEECH_PAD_S * 1000)) -> None:
         self.threshold = threshold
         self.neg = max(threshold - 0.15, 0.01)
         self.pad = SAMPLE_RATE * speech_pad_ms / 1000
@@ -393,5 +397,6 @@ class PyannoteStream:
         return out
 
 
-def make_vad(kind: str, device: str) -> Vad:
-    return PyannoteVad(device) if kind == "pyannote" else SileroVad()
+def make_vad(kind: str, device: str, pad_s: float = SPEECH_PAD_S) -> Vad:
+    """pyannote keeps whisperx's own merge rules; ``pad_s`` is Silero's span padding."""
+    return PyannoteVad(device) if kind == "pyannote" else SileroVad(pad_s)

@@ -95,7 +95,7 @@ def word_timings(tok: Any, text_tokens: list[int], alignment: Any, window: Windo
     sound = sound_starts(window.audio)
     for k, t in enumerate(timing):
         # Without timestamp tokens the alignment path starts at frame 0, so the first word
-        # absorbs the window's leading silence (the VAD pads 0.4 s), and a word after a pause
+        # absorbs the window's leading silence (the VAD pads 1.4 s), and a word after a pause
         # often absorbs the pause: such a word starts where sound does, if that is inside it.
         # 0.2 s of quiet: longer than a soft consonant, so words are not cut into.
         onset = first_sound(sound, t["start"], t["end"] - 0.02)
