@@ -76,7 +76,9 @@ class ModelSettings(BaseModel):
         "hallucination loop ('uh, uh, uh, ...') otherwise runs to the model's 224 tokens, and its "
         "batch with it: ~10x a normal window's decode. 0: no cap but the model's.",
     )
-    loop_penalties: list[float] = Field(
+    # A penalty <= 1 does not discourage repeating (CTranslate2 divides a repeated token's
+    # positive logit by it): such a value would only cost a decode. Above 3 words are mangled.
+    loop_penalties: list[Annotated[float, Field(gt=1.0, le=3.0)]] = Field(
         [1.1, 1.3],
         description="A window whose decode still loops at 30 s (compression > 2.4) is decoded "
         "again with each repetition penalty in turn until it stops looping: the deterministic "

@@ -129,3 +129,19 @@ def test_a_looping_window_reads_the_same_alone_and_beside_a_long_window(
     assert fixed.compression_ratio <= 2.4 and fixed.text.strip()
     assert fixed_beside[1].text == fixed.text and fixed_beside[1].tokens == fixed.tokens
     assert fixed_beside[0].text == looping.transcribe_batch([longest], EN)[0].text  # untouched
+
+
+@pytest.mark.parametrize("bad", ["[1.0]", "[0.9, 1.3]", "[1.1, 4]"])
+def test_loop_penalties_that_cannot_break_a_loop_are_refused(
+        bad: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A repetition penalty of 1 or less changes nothing (CTranslate2 scales a repeated token's
+    logit by it), and one far above the defaults mangles words: the setting refuses both."""
+    from pydantic import ValidationError
+
+    monkeypatch.setenv("BATCHSCRIBE_MODEL__LOOP_PENALTIES", bad)
+    with pytest.raises(ValidationError, match="loop_penalties"):
+        Settings()
+    monkeypatch.setenv("BATCHSCRIBE_MODEL__LOOP_PENALTIES", "[1.1, 1.3]")
+    assert Settings().model.loop_penalties == [1.1, 1.3]
+    monkeypatch.setenv("BATCHSCRIBE_MODEL__LOOP_PENALTIES", "[]")
+    assert Settings().model.loop_penalties == []
