@@ -366,9 +366,13 @@ def test_progress_is_logged_for_a_long_job(tmp_path: Path, clips: list[Clip],
     lines = [json.loads(JsonFormatter().format(rec)) for rec in caplog.records
              if rec.getMessage() == "job progress"]
     assert lines, "no progress log"
-    assert all(ln["job_id"] == job["id"] and ln["windows_total"] == total for ln in lines)
+    # Windows can finish while the upload is still being cut: the total is null until known.
+    assert all(ln["job_id"] == job["id"] and ln["windows_total"] in (None, total) for ln in lines)
+    assert lines[-1]["windows_total"] == total
+    assert all(ln["windows_expected"] == total for ln in lines if ln["windows_total"])
     done = [ln["windows_done"] for ln in lines]
-    assert done == sorted(done) and done[-1] == total and len(done) <= 11
+    assert done == sorted(done) and done[-1] == total
+    assert len(done) <= total // max(1, total // 10) + 1  # about ten lines, not one per window
     assert all(ln["rtf"] > 0 and ln["level"] == "INFO" and ln["logger"] == "app.jobs.runner"
                for ln in lines)
 

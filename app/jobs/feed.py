@@ -53,6 +53,7 @@ class Active:
     started: bool = False  # its work began (an attempt counts); claimed but unstarted otherwise
     windows_total: int | None = None  # known once its audio is all cut
     windows_cut: int = 0
+    windows_expected: int = 0  # the header's guess while it is being cut (see _estimate)
     windows_done: int = 0
     audio_done_s: float = 0.0
     ending: bool = False  # being finished: its audio leaves the backlog with its store row
@@ -171,8 +172,9 @@ class JobFeed:
         self.windows += windows
         self.channels += channels[: len(windows)]
         self.active.windows_cut = len(self.windows)
+        self.active.windows_expected = self._estimate(stream)
         futures = self.runner.batcher.submit(self.job.id, windows, self.key, first_rank=first,
-                                             job_windows=self._estimate(stream),
+                                             job_windows=self.active.windows_expected,
                                              owner=self.job.owner)
         for k, (f, w) in enumerate(zip(futures, windows, strict=True)):
             f.add_done_callback(self._done(first + k, w))

@@ -294,12 +294,16 @@ class JobRunner:
         self.wake()  # room to claim another
 
     def log_progress(self, job: JobRow, a: Active) -> None:
-        total = a.windows_total or a.windows_cut
+        """About ten lines per long job. Windows finish while its audio is still being cut,
+        so until then the step comes from the header's estimate and `windows_total` is null
+        (not yet known) beside `windows_expected`."""
+        total = a.windows_total or max(a.windows_cut, a.windows_expected)
         step = max(1, total // 10)
         if total >= 10 and (a.windows_done % step == 0 or a.windows_done == a.windows_total):
             elapsed = max(1e-6, time.time() - (job.started_at or job.created_at))
             log.info("job progress", extra={"job_id": job.id, "windows_done": a.windows_done,
                                             "windows_total": a.windows_total,
+                                            "windows_expected": total,
                                             "rtf": round(a.audio_done_s / elapsed, 2)})
 
     async def _complete(self, job: JobRow, out: Outcome) -> None:
