@@ -2,48 +2,50 @@
 
 faster-whisper decodes every window at beam 5; the service's default beam is 1. Where the model
 is sure the two agree; where it is not (average log-probability < -1 on speech, Whisper's own
-fallback test) a window is decoded again at ``unsure_beam_size`` and keeps the likelier text:
-on the dynamic time axis inside the 30 s redo it already had, on the full axis from the same
-encoder output. Like every other fallback, it is per window: a window reads the same alone and
-in a batch.
+fallback test) a window is decoded again at ``unsure_beam_size`` from the same 30 s encoder
+output and keeps the likelier decode that does not loop. On the dynamic time axis an unsure
+window is first redone at 30 s, so both axes read it alike. Like every other fallback, it is
+per window: a window reads the same alone and in a batch.
+
+Which windows are unsure depends on the host's int8 kernels (on one Xeon a 3.3 s Spanish clip
+was, on an EPYC it was not), so the subjects are found, not named: every window of the
+multilingual corpus, transcribed and translated, decoded at beam 1; the unsure ones are tested.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import pytest
 
 from app.audio import prepare
 from app.audio.vad import SileroVad
 from app.config import ModelSettings, Settings
-from app.engine.decoding import unsure
+from app.engine.decoding import degenerate, unsure
 from app.engine.whisper import WhisperEngine
-from app.windows import DecodeOptions, Prompt, Task, Window
+from app.windows import DecodeOptions, Prompt, Task, Window, WindowResult
 from models.registry import resolve
 from tests.conftest import READ_SPEECH, Clip
 from tests.test_language import MULTI, multilingual
 
 pytestmark = pytest.mark.model
 
-# Unsure at beam 1 (measured): 3.3 s of Spanish read as "Uno de las que se necesaria." at
-# avg logprob -1.56; a 5.7 s Portuguese clip translated at -1.42.
-UNSURE_TRANSCRIBE: tuple[str, str, Task] = ("picovoice-es-cheetah-9a892e99", "es", "transcribe")
-UNSURE_TRANSLATE: tuple[str, str, Task] = ("fleurs-pt-cuttledoc-002", "pt", "translate")
-TIGHT = 0.4
 
-
-def make(time_axis: str, unsure_beam_size: int) -> WhisperEngine:
+def make(time_axis: str, unsure_beam_size: int, loop_penalties: list[float] | None = None,
+         ) -> WhisperEngine:
     s = Settings()
+    extra = {} if loop_penalties is None else {"loop_penalties": loop_penalties}
     return WhisperEngine(resolve(s.model.name, s.model.cache_dir, True),
                          ModelSettings(num_workers=1, cpu_threads=2, time_axis=time_axis,
-                                       unsure_beam_size=unsure_beam_size), s.model.name)
+                                       unsure_beam_size=unsure_beam_size, **extra), s.model.name)
 
 
 @pytest.fixture(scope="module")
 def engines() -> Iterator[dict[str, WhisperEngine]]:
     out = {f"{axis}{beam}": make(axis, beam) for axis in ("dynamic", "full") for beam in (1, 5)}
+    out["raw"] = make("full", 1, loop_penalties=[])  # the model's own decode, no fallback
     yield out
     for e in out.values():
         e.close()
@@ -51,13 +53,81 @@ def engines() -> Iterator[dict[str, WhisperEngine]]:
 
 def window(clip_id: str, language: str) -> Window:
     path = {i: p for i, p, _ in multilingual()}[clip_id]
-    w = prepare(path, SileroVad(TIGHT), 3600)[1][0]
+    w = prepare(path, SileroVad(), 3600)[1][0]
     w.prompt = Prompt(language=language)
     return w
 
 
+@pytest.fixture(scope="module")
+def corpus_windows() -> list[tuple[str, Window]]:
+    out = []
+    for clip_id, path, language in multilingual():
+        for w in prepare(path, SileroVad(), 3600)[1]:
+            w.prompt = Prompt(language=language)
+            out.append((clip_id, w))
+    return out
+
+
+@dataclass
+class Subject:
+    clip_id: str
+    window: Window
+    task: Task
+    narrow: WindowResult  # beam 1, its fallback off
+    wide: WindowResult  # beam 1 with the fallback to beam 5
+    beam5: WindowResult  # beam 5 on Whisper's 30 s input, no fallback of any kind
+
+
+def subjects(engines: dict[str, WhisperEngine], axis: str,
+             windows: list[tuple[str, Window]]) -> list[Subject]:
+    out = []
+    for task in ("transcribe", "translate"):
+        opts = DecodeOptions(task=task)
+        narrow = engines[f"{axis}1"].transcribe_batch([w for _, w in windows], opts)
+        idx = [k for k, r in enumerate(narrow) if unsure(r)]
+        picked = [windows[k][1] for k in idx]
+        wide = engines[f"{axis}5"].transcribe_batch(picked, opts)
+        beam5 = engines["raw"].transcribe_batch(picked, DecodeOptions(task=task, beam_size=5))
+        out += [Subject(windows[k][0], windows[k][1], task, narrow[k], w, b)
+                for k, w, b in zip(idx, wide, beam5, strict=True)]
+    return out
+
+
+@pytest.fixture(scope="module")
+def found(engines: dict[str, WhisperEngine], corpus_windows: list[tuple[str, Window]],
+          ) -> dict[str, list[Subject]]:
+    return {axis: subjects(engines, axis, corpus_windows) for axis in ("dynamic", "full")}
+
+
+@pytest.mark.parametrize("axis", ["dynamic", "full"])
+def test_an_unsure_window_keeps_the_likelier_decode_that_does_not_loop(
+        found: dict[str, list[Subject]], axis: str) -> None:
+    subs = found[axis]
+    # Measured: 21 of the 36 windows translate unsure at beam 1 (EPYC, 1.4 s padding).
+    assert len(subs) >= 3, [s.clip_id for s in subs]
+    changed = 0
+    for s in subs:
+        assert s.wide.avg_logprob >= s.narrow.avg_logprob, s
+        if not degenerate(s.beam5):  # (a beam-5 loop is decoded again with a penalty)
+            likelier = s.beam5 if s.beam5.avg_logprob > s.narrow.avg_logprob else s.narrow
+            assert s.wide.text == likelier.text, s
+        if s.wide.text != s.narrow.text:
+            assert s.wide.avg_logprob > s.narrow.avg_logprob and not degenerate(s.wide), s
+            changed += 1
+    assert changed >= 1, "no unsure window took the wider beam's decode"
+
+
+def test_both_axes_read_an_unsure_window_alike(found: dict[str, list[Subject]]) -> None:
+    """The dynamic axis redoes an unsure window at 30 s, where the full axis starts."""
+    full = {(s.clip_id, s.task): s for s in found["full"]}
+    both = [(s, full[s.clip_id, s.task]) for s in found["dynamic"] if (s.clip_id, s.task) in full]
+    assert len(both) >= 3
+    for d, f in both:
+        assert (d.narrow.text, d.wide.text) == (f.narrow.text, f.wide.text), d.clip_id
+
+
 def companions() -> list[Window]:
-    """Three other windows of other languages to share the batch (French, German, English)."""
+    """Three other windows of other languages to share the batch (French, German, Italian)."""
     rows = {json.loads(line)["id"]: json.loads(line)
             for line in (MULTI / "manifest.jsonl").read_text().splitlines() if line.strip()}
     return [window(i, rows[i]["language"])
@@ -65,24 +135,14 @@ def companions() -> list[Window]:
                       "picovoice-it-leopard-test_it")]
 
 
-@pytest.mark.parametrize("case", [UNSURE_TRANSCRIBE, UNSURE_TRANSLATE], ids=lambda c: c[2])
 @pytest.mark.parametrize("axis", ["dynamic", "full"])
-def test_an_unsure_window_keeps_the_wider_beams_likelier_text(
-        engines: dict[str, WhisperEngine], axis: str, case: tuple[str, str, Task]) -> None:
-    clip_id, language, task = case
-    w = window(clip_id, language)
-    opts = DecodeOptions(task=task)
-    narrow = engines[f"{axis}1"].transcribe_batch([w], opts)[0]
-    wide = engines[f"{axis}5"].transcribe_batch([w], opts)[0]
-    # What the model says at beam 5 on Whisper's 30 s input, with no fallback of this kind.
-    beam5 = engines["full1"].transcribe_batch([w], DecodeOptions(task=task, beam_size=5))[0]
-    assert unsure(narrow), narrow
-    assert wide.avg_logprob > narrow.avg_logprob, (narrow, wide)
-    assert wide.text == beam5.text != narrow.text
-    # Per window: the same text beside three windows of other languages as alone.
-    batch = [w, *companions()]
+def test_an_unsure_window_reads_the_same_in_a_batch(
+        engines: dict[str, WhisperEngine], found: dict[str, list[Subject]], axis: str) -> None:
+    s = next(s for s in found[axis] if s.wide.text != s.narrow.text)
+    opts = DecodeOptions(task=s.task)
+    batch = [s.window, *companions()]
     together = engines[f"{axis}5"].transcribe_batch(batch, opts)
-    assert together[0].text == wide.text
+    assert together[0].text == s.wide.text
     alone = [engines[f"{axis}5"].transcribe_batch([x], opts)[0].text for x in batch[1:]]
     assert [r.text for r in together[1:]] == alone
 

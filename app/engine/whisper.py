@@ -158,19 +158,18 @@ class WhisperEngine:
                          languages: Languages, options: DecodeOptions,
                          n: int) -> list[WindowResult]:
         if n < N_SAMPLES:
-            # Safety net for the shortened axis: redo, at the full 30 s and at least
-            # ``unsure_beam_size``, windows whose decode looks degenerate by Whisper's own
-            # fallback rules (a loop compresses > 2.4; a low-confidence decode of real speech).
-            # faster-whisper's default beam is 5, the service's 1: measured over HTTP on
-            # corpus-multilingual at the default beam (offline: 6 of its 48 windows), mean error
-            # 27.8 -> 26.1 %, translation chrF 37.9 -> 39.8 (English WER unchanged). Language
+            # Safety net for the shortened axis: redo at the full 30 s windows whose decode looks
+            # degenerate by Whisper's own fallback rules (a loop compresses > 2.4; a
+            # low-confidence decode of real speech). The redo is the full axis's own decode, its
+            # wider beam for unsure windows included (:meth:`_widen`), so both axes read such a
+            # window alike. Running the redo straight at the wider beam lost the 30 s decode at
+            # the request's beam: a Chinese clip translated to "4035-1-7-7-8-8-8-8-..." at beam
+            # 5 (a loop short enough to compress < 2.4) where beam 1 reads a sentence. Language
             # stays the one already decided.
             redo = [k for k, r in enumerate(out)
                     if degenerate(r) or unsure(r)]
             if redo:
-                wide = (replace(options, beam_size=self._wide) if options.temperature == 0
-                        and options.beam_size < self._wide else options)
-                again = self._transcribe([windows[k] for k in redo], wide, N_SAMPLES,
+                again = self._transcribe([windows[k] for k in redo], options, N_SAMPLES,
                                          [languages[k] for k in redo])
                 for k, r in zip(redo, again, strict=True):
                     out[k] = r
@@ -323,10 +322,10 @@ class WhisperEngine:
     def _widen(self, encoder_output: Any, prompts: list[list[int]], budgets: list[int],
                languages: Languages, options: DecodeOptions, out: list[WindowResult]) -> None:
         """Windows still unsure at 30 s (:func:`unsure`), decoded again at ``unsure_beam_size``
-        from the same encoder output, keeping the decode of higher average log-probability
-        (faster-whisper's rule among its fallbacks). On the dynamic axis the 30 s redo of
-        :meth:`_redo_degenerate` already runs at that beam, so this is the full axis's (GPU)
-        path. Never more decoder states than the batch had: groups of ``batch * beam // wide``."""
+        from the same encoder output, keeping the decode of higher average log-probability that
+        does not loop (faster-whisper's rule among its fallbacks: the best below the compression
+        threshold). The dynamic axis's 30 s redo (:meth:`_redo_degenerate`) comes here too.
+        Never more decoder states than the batch had: groups of ``batch * beam // wide``."""
         if options.beam_size >= self._wide:
             return
         todo = [k for k, r in enumerate(out) if unsure(r) and not degenerate(r)]
@@ -336,8 +335,8 @@ class WhisperEngine:
             part = todo[i:i + step]
             for k, r in zip(part, self._again(encoder_output, part, prompts, budgets, languages,
                                               wide), strict=True):
-                if r.avg_logprob > out[k].avg_logprob:
-                    out[k] = r
+                if r.avg_logprob > out[k].avg_logprob and not degenerate(r):
+                    out[k] = r  # a loop scores high (measured -0.3 against -1.66): never it
 
     def _unloop(self, encoder_output: Any, prompts: list[list[int]], budgets: list[int],
                 languages: Languages, options: DecodeOptions, out: list[WindowResult]) -> None:
