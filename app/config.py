@@ -478,7 +478,15 @@ class Settings(BaseSettings):
     host: str = Field("127.0.0.1", description="Bind address.")
     port: int = Field(8000, ge=1, le=65535, description="Bind port.")
     default_beam_size: int = Field(
-        1, ge=1, le=10, description="Beam size when a request gives none (1: greedy, fastest)."
+        1, ge=1, le=10,
+        description="Beam size when a request gives none, for English (1: greedy, fastest).",
+    )
+    default_beam_size_other: int = Field(
+        5, ge=1, le=10,
+        description="Beam size when a request gives none, for every language but English "
+        "(given or detected). Beam 5 is faster-whisper's default; measured on the multilingual "
+        "corpus (CPU): mean error 25.1 -> 23.8 %, chrF 41.9 -> 42.5, for ~5 % more engine time, "
+        "because at beam 1 so many non-English windows are unsure and decoded again anyway.",
     )
     shutdown_grace_s: float = Field(
         25.0, ge=0, le=3600, description="SIGTERM: time to finish the batch in flight."

@@ -48,6 +48,13 @@ class DecodeOptions:
     temperature: float = 0.0  # > 0: sample at this temperature instead of beam search
     word_timestamps: bool = False  # one extra batched ``align`` pass on the same encoder output
     detect_only: bool = False  # stop after the language: no decode
+    other_beam_size: int | None = None  # the beam of windows not in English (None: beam_size)
+
+    def beam_for(self, language: str) -> int:
+        """A window's beam, once its language is known: ``other_beam_size`` unless English."""
+        if self.other_beam_size is None or language == "en":
+            return self.beam_size
+        return self.other_beam_size
 
 
 class LanguageChoice:
@@ -153,6 +160,7 @@ class JobOptions:
     language_detection: LanguageDetection = "per_upload"  # per_window: recordings that switch
     task: Task = "transcribe"
     beam_size: int = 1
+    other_beam_size: int | None = None  # windows not in English, when the request gave no beam
     initial_prompt: str | None = None
     hotwords: str | None = None
     temperature: float = 0.0
@@ -175,6 +183,7 @@ class JobOptions:
 
     def decode_options(self) -> DecodeOptions:
         return DecodeOptions(task=self.task, beam_size=self.beam_size,
+                             other_beam_size=self.other_beam_size,
                              temperature=self.temperature, word_timestamps=self.word_timestamps,
                              detect_only=self.detect_only)
 

@@ -13,7 +13,10 @@ translation are also translated (``task=translate``), again with no language. Sy
   samples, so each task runs on a fresh model created after ``ctranslate2.set_random_seed``.
 - ``http``: a real ``python -m app`` (``loadtest.service.Server``: free port, temporary data dir,
   ``--server-env K=V``), ``POST /transcribe?wait=true`` with the form field ``task`` only,
-  ``--concurrency`` clips in flight so the micro-batcher pools them (the service's default beam).
+  ``--concurrency`` clips in flight so the micro-batcher pools them (the service's default beam:
+  1 for English, ``DEFAULT_BEAM_SIZE_OTHER`` (5) for the rest).
+- ``http_beam1``: the same server and requests with ``beam_size=1`` (the default before it
+  depended on the language): what the wider beam buys, and its wall time.
 - ``http_beam5``: the same server and requests with ``beam_size=5``: like for like with
   faster-whisper's beam 5.
 
@@ -49,8 +52,9 @@ from loadtest.mlscore import (
     summary,
 )
 
-SYSTEMS = ("fw_default", "http", "http_beam5")
-HTTP_FORMS: dict[str, dict[str, str]] = {"http": {}, "http_beam5": {"beam_size": "5"}}
+SYSTEMS = ("fw_default", "http", "http_beam1", "http_beam5")
+HTTP_FORMS: dict[str, dict[str, str]] = {"http": {}, "http_beam1": {"beam_size": "1"},
+                                         "http_beam5": {"beam_size": "5"}}
 SEED = 1234
 TASKS = ("transcribe", "translate")
 

@@ -82,6 +82,19 @@ def speaker_options(st: AppState, options: JobOptions, diarize: bool, num_speake
                    channels=channels)  # type: ignore[arg-type]
 
 
+def default_beams(st: AppState, language: str | None, beam_size: int | None,
+                  ) -> tuple[int, int | None]:
+    """(beam, beam of windows not in English): the request's beam for all; else the defaults,
+    for English and for the rest (:attr:`Settings.default_beam_size_other`), decided now when
+    the language is given and by the engine per window when it is detected."""
+    if beam_size:
+        return beam_size, None
+    english, other = st.settings.default_beam_size, st.settings.default_beam_size_other
+    if language is not None:
+        return (english if language == "en" else other), None
+    return english, (other if other != english else None)
+
+
 def decode_options(st: AppState, language: str | None, task: str, beam_size: int | None,
                    initial_prompt: str | None, temperature: float = 0.0,
                    word_timestamps: bool = False, hotwords: str | None = None,
@@ -90,9 +103,10 @@ def decode_options(st: AppState, language: str | None, task: str, beam_size: int
     if lang is not None and lang not in st.languages:
         raise BadRequest(f"unknown language {language!r}; use an ISO 639-1 code such as 'en'",
                          field="language")
+    beam, other = default_beams(st, lang, beam_size)
     return JobOptions(
         language=lang, task=task,  # type: ignore[arg-type]
-        beam_size=beam_size or st.settings.default_beam_size,
+        beam_size=beam, other_beam_size=other,
         initial_prompt=(initial_prompt or "").strip() or None,
         hotwords=" ".join((hotwords or "").split()) or None,
         temperature=float(temperature), word_timestamps=word_timestamps,

@@ -487,5 +487,6 @@ class Batcher:
 
 
 def _beam(options: DecodeOptions) -> int:
-    """Decoder states per window: the beam, or 1 when sampling."""
+    """Decoder states per window: the beam, or 1 when sampling. A wider ``other_beam_size`` is
+    not counted: on a GPU the engine decodes those windows in parts that fit (``_decode``)."""
     return options.beam_size if options.temperature == 0 else 1

@@ -26,19 +26,18 @@ from app.engine.decoding import (
     batch_rows,
     budget,
     degenerate,
-    detected,
     max_length,
     search_args,
     to_result,
     unsure,
 )
 from app.engine.device import resolve_compute_type, resolve_device, torch_device
+from app.engine.language import LanguageDetector, Languages
 from app.engine.mel import batch_features
 from app.windows import (
     N_SAMPLES,
     PAD_STEP_S,
     SAMPLE_RATE,
-    TOKENS_PER_SECOND,
     DecodeOptions,
     Encoded,
     Window,
@@ -46,10 +45,6 @@ from app.windows import (
 )
 
 log = logging.getLogger(__name__)
-Languages = list[tuple[str, float | None]]
-DETECT_TAIL_S = 2.0  # detection looks at the window's audio and this much of its padding
-DETECT_LOOK_AGAIN = 0.8  # less sure than this: asked again of the whole encoder output
-DETECT_SURE = 0.5  # still less sure than this: asked again at 30 s (see _languages)
 
 
 def padded_length(samples: int, margin: int) -> int:
@@ -104,6 +99,7 @@ class WhisperEngine:
                           or self.model.feat_kwargs.get("feature_size") or 80)
         self._device = device
         self._mel_device = torch_device(device, index)
+        self._detector = LanguageDetector(self.model, device, self.n_mels, self._mel_device)
         self.dynamic = time_axis(settings, device) == "dynamic"
         self._margin = int(settings.pad_margin_s * SAMPLE_RATE)
         self._tokens_per_s = settings.max_tokens_per_s
@@ -209,88 +205,36 @@ class WhisperEngine:
                 languages: Languages | None = None) -> tuple[Any, Languages]:
         feats = batch_features([w.audio for w in windows], n, self.n_mels, self._mel_device)
         encoder_output = self.model.encode(feats)
-        return encoder_output, languages or self._languages(windows, encoder_output, n)
-
-    def _languages(self, windows: Sequence[Window], encoder_output: Any, n: int) -> Languages:
-        """Each window's language: given; its upload's, once decided; else detected from this
-        encoder output (the first detection of an upload decides the upload's language).
-
-        Detection is one decoder step, but that step first projects every encoder position into
-        each layer's cross-attention keys and values: measured on the English corpus, ~4 % of
-        the engine's time at the dynamic length, where a 5 s window is padded to 15 s. So it
-        looks in three steps, each only for windows the step before left unsure:
-
-        1. the encoder positions of the window's own audio plus ``DETECT_TAIL_S`` of its
-           padding (in 1 s steps, so the answer depends on the window alone, not on its batch
-           mates); agrees with 30 s on 117 of 119 first windows of the two corpora, and both
-           misses are under ``DETECT_LOOK_AGAIN``;
-        2. below ``DETECT_LOOK_AGAIN``: the whole encoder output at the dynamic length; agrees
-           with 30 s on 118 of 119 (the miss: a 2.2 s clip of a child's accented English read
-           as zh at p=0.37);
-        3. below ``DETECT_SURE``: the window padded to Whisper's 30 s, one more encoder pass
-           (3 of the 119 first windows, each 2.2-3.3 s; 2 of the 83 English clips).
-        On CUDA (full axis) the first step is the only one."""
-        out: list[tuple[str, float | None] | None] = []
-        need: list[int] = []
-        for k, w in enumerate(windows):
-            p = w.prompt
-            if p.language:
-                out.append((p.language, None))
-            elif p.choice is not None and p.choice.language is not None:
-                out.append((p.choice.language, p.choice.probability))
-            elif not self.model.model.is_multilingual:
-                out.append(("en", None))
-            else:
-                out.append(None)
-                need.append(k)
-        if need:
-            found = self._detect(windows, encoder_output, need)
-            doubtful = [j for j, (_, prob) in enumerate(found) if prob < DETECT_LOOK_AGAIN]
-            if doubtful and self._device == "cpu":
-                again = self.model.model.detect_language(
-                    batch_rows(encoder_output, [need[j] for j in doubtful]))
-                for j, d in zip(doubtful, again, strict=True):
-                    found[j] = detected(d)
-            doubtful = [j for j, (_, prob) in enumerate(found) if prob < DETECT_SURE]
-            if doubtful and n < N_SAMPLES:
-                for j, d in zip(doubtful, self._detect_full([windows[need[j]] for j in doubtful]),
-                                strict=True):
-                    found[j] = d
-            for k, (lang, prob) in zip(need, found, strict=True):
-                choice = windows[k].prompt.choice
-                out[k] = choice.decide(lang, prob) if choice is not None else (lang, prob)
-        return [x for x in out if x is not None]
-
-    def _detect(self, windows: Sequence[Window], encoder_output: Any,
-                need: list[int]) -> list[tuple[str, float]]:
-        """Step 1 of :meth:`_languages`: each window's own positions, grouped by their count."""
-        import ctranslate2
-
-        if self._device != "cpu":
-            return [detected(d) for d in
-                    self.model.model.detect_language(batch_rows(encoder_output, need))]
-        rows = np.asarray(encoder_output)
-        step = int(TOKENS_PER_SECOND)
-        groups: dict[int, list[int]] = {}
-        for j, k in enumerate(need):
-            look = len(windows[k].audio) / SAMPLE_RATE + DETECT_TAIL_S
-            groups.setdefault(min(rows.shape[1], math.ceil(look) * step), []).append(j)
-        found: list[tuple[str, float]] = [("", 0.0)] * len(need)
-        for frames, js in groups.items():
-            part = np.ascontiguousarray(rows[[need[j] for j in js], :frames])
-            answers = self.model.model.detect_language(ctranslate2.StorageView.from_array(part))
-            for j, d in zip(js, answers, strict=True):
-                found[j] = detected(d)
-        return found
-
-    def _detect_full(self, windows: Sequence[Window]) -> list[tuple[str, float]]:
-        """Detection on the windows padded to 30 s (Whisper's own input)."""
-        feats = batch_features([w.audio for w in windows], N_SAMPLES, self.n_mels,
-                               self._mel_device)
-        return [detected(d) for d in self.model.model.detect_language(self.model.encode(feats))]
+        return encoder_output, languages or self._detector.languages(windows, encoder_output, n)
 
     def _decode(self, windows: Sequence[Window], encoder_output: Any, languages: Languages,
                 options: DecodeOptions, n: int) -> list[WindowResult]:
+        """Windows whose languages ask for different beams (:meth:`DecodeOptions.beam_for`)
+        decode in one generate per beam, from the same encoder output. The batcher sized the
+        batch for ``beam_size``; on a GPU a wider beam's windows go in parts of ``batch x
+        beam_size // beam``, so a call never holds more decoder states than the batch was
+        sized for (as :meth:`_widen`). On CPU they stay one call: states cost host memory only,
+        and the decoder batches better (measured: beam 5 for the non-English windows ~5 % more
+        engine time than beam 1 at batch 8)."""
+        beams = [options.beam_for(lang) for lang, _ in languages]
+        out: list[WindowResult | None] = [None] * len(windows)
+        for beam in sorted(set(beams)):
+            idx = [k for k, b in enumerate(beams) if b == beam]
+            step = len(idx)
+            if self._device != "cpu" and beam > options.beam_size:
+                step = max(1, len(windows) * options.beam_size // beam)
+            for i in range(0, len(idx), step):
+                part = idx[i:i + step]
+                rows = (encoder_output if len(part) == len(beams)
+                        else batch_rows(encoder_output, part))
+                for k, r in zip(part, self._decode_one(
+                        [windows[k] for k in part], rows, [languages[k] for k in part],
+                        replace(options, beam_size=beam, other_beam_size=None), n), strict=True):
+                    out[k] = r
+        return [r for r in out if r is not None]
+
+    def _decode_one(self, windows: Sequence[Window], encoder_output: Any, languages: Languages,
+                    options: DecodeOptions, n: int) -> list[WindowResult]:
         task = options.task
         prompts = [self._prompts.tokens(w.prompt, lang, task)
                    for w, (lang, _) in zip(windows, languages, strict=True)]
