@@ -485,7 +485,7 @@ class Settings(BaseSettings):
         5, ge=1, le=10,
         description="Beam size when a request gives none, for every language but English "
         "(given or detected). Beam 5 is faster-whisper's default; measured on the multilingual "
-        "corpus (CPU): mean error 25.1 -> 23.8 %, chrF 41.9 -> 42.5, for ~5 % more engine time, "
+        "corpus (CPU): mean error 25.1 -> 23.8 %, chrF 41.9 -> 42.5, for 3-11 % more engine time, "
         "because at beam 1 so many non-English windows are unsure and decoded again anyway.",
     )
     shutdown_grace_s: float = Field(

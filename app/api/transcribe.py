@@ -104,6 +104,8 @@ def decode_options(st: AppState, language: str | None, task: str, beam_size: int
         raise BadRequest(f"unknown language {language!r}; use an ISO 639-1 code such as 'en'",
                          field="language")
     beam, other = default_beams(st, lang, beam_size)
+    if temperature > 0:
+        other = None  # sampling ignores the beam: no second generate per batch for it
     return JobOptions(
         language=lang, task=task,  # type: ignore[arg-type]
         beam_size=beam, other_beam_size=other,
