@@ -83,7 +83,7 @@ class LanguageDetector:
 
     def _detect(self, windows: Sequence[Window], encoder_output: Any,
                 need: list[int]) -> list[tuple[str, float]]:
-        """Step 1 of :meth:`_languages`: each window's own positions, grouped by their count."""
+        """Step 1 of :meth:`languages`: each window's own positions, grouped by their count."""
         import ctranslate2
 
         if self._device != "cpu":
