@@ -264,10 +264,14 @@ def spread(clips: Sequence[MClip], n: int) -> list[MClip]:
 
 def against(s: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     """``s`` minus ``base`` (both from :func:`summary`): error points per language and on the
-    mean (negative: fewer errors), language-ID points, chrF and BLEU points (positive: better)."""
+    mean (negative: fewer errors), language-ID points, chrF and BLEU points (positive: better);
+    the languages where ``s`` has more errors (``trails_in``) and fewer (``ahead_in``)."""
     def sub(a: float | None, b: float | None) -> float | None:
         return None if a is None or b is None else round(a - b, 2)
 
-    return {"per_lang": {k: sub(v, base["per_lang"].get(k)) for k, v in s["per_lang"].items()},
+    per = {k: sub(v, base["per_lang"].get(k)) for k, v in s["per_lang"].items()}
+    return {"per_lang": per,
+            "trails_in": sorted(k for k, d in per.items() if d is not None and d > 0),
+            "ahead_in": sorted(k for k, d in per.items() if d is not None and d < 0),
             **{k: sub(s[k], base[k]) for k in ("mean_err_lang", "mean_err_clip",
                                                "mean_err_lang_no_numbers", "lid", "chrf", "bleu")}}
