@@ -1,5 +1,9 @@
 """Optional API keys (``Authorization: Bearer <key>``), configured by their SHA-256 only.
 
+Clients of whisper-asr-webservice's API (Bazarr) take a base URL and send no header: for
+``/asr`` and ``/detect-language`` the key may instead lead the path, ``/key/<key>/asr`` (the
+base URL ``http://host:8000/key/<key>``); it is cut from the request before anything logs it.
+
 The service never stores a key: the settings hold ``sha256(key)`` hex digests, a request's key
 is hashed and compared in constant time. The caller's tenant ("owner") is a short prefix of that
 digest; every job row carries it and :func:`app.api.deps.load_job` answers 404 for other
@@ -159,6 +163,26 @@ def open_paths(settings: SecuritySettings) -> frozenset[str]:
     return frozenset(paths)
 
 
+KEY_PREFIX = "/key/"
+# Routes that take a key in the path: whisper-asr-webservice's, whose clients (Bazarr) set a base
+# URL and send no header. A key in a URL can reach proxies' logs, so nowhere else.
+PATH_KEY_ROUTES = frozenset({"/asr", "/detect-language"})
+
+
+def path_key(scope: Scope) -> str | None:
+    """``/key/<key>/<route>``: the key, with the scope's path set to ``/<route>`` in place.
+
+    In place, because uvicorn writes its access log from this same scope dict: the key never
+    reaches a log line, an error body or a metric label, whatever the answer."""
+    path: str = scope["path"]
+    if not path.startswith(KEY_PREFIX):
+        return None
+    key, _, rest = path[len(KEY_PREFIX):].partition("/")
+    scope["path"] = "/" + rest
+    scope["raw_path"] = scope["path"].encode()
+    return key
+
+
 def bearer_token(scope: Scope) -> str | None:
     for name, value in scope.get("headers", ()):
         if name == b"authorization":
@@ -181,7 +205,14 @@ class ApiKeyMiddleware:
         if scope["type"] != "http" or scope["path"] in self.open:  # no websocket routes exist
             await self.app(scope, receive, send)
             return
-        token = bearer_token(scope)
+        in_path = path_key(scope)
+        if in_path is not None and scope["path"] not in PATH_KEY_ROUTES:
+            err = Unauthorized("a key in the path is taken only by /asr and /detect-language "
+                               "(clients that cannot send a header); send 'Authorization: "
+                               "Bearer <key>'", scheme="Bearer")
+            await self._send(send, err, scope["path"], f'Bearer realm="{REALM}"')
+            return
+        token = in_path or bearer_token(scope)
         owner = self.keys.owner(token) if token else None
         if owner is None:
             await self._deny(send, scope["path"], invalid=token is not None)
@@ -199,6 +230,10 @@ class ApiKeyMiddleware:
             err = Unauthorized("an API key is required: send 'Authorization: Bearer <key>'",
                                scheme="Bearer")
             challenge = f'Bearer realm="{REALM}"'
+        await ApiKeyMiddleware._send(send, err, path, challenge)
+
+    @staticmethod
+    async def _send(send: Send, err: Unauthorized, path: str, challenge: str) -> None:
         body = json.dumps(err.body_for(path)).encode()
         await send({"type": "http.response.start", "status": err.status_code, "headers": [
             (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),

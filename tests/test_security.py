@@ -29,7 +29,9 @@ from starlette.testclient import TestClient
 from app.config import SecuritySettings, Settings
 from app.security import ApiKeyMiddleware, KeyRing, key_digest, open_paths, owner_of
 from tests.conftest import ROOT, Clip, Server, free_port
+from tests.test_asr import bazarr, pcm
 from tests.test_crash import wait_until
+from tests.wer import wer
 
 KEY_A = "key-a-7f1c0e1d9b2a4c3e"
 KEY_B = "key-b-0a9d8c7b6e5f4a3b"
@@ -244,3 +246,36 @@ def test_keys_make_the_host_header_irrelevant(keyed: Server) -> None:
     with keyed.client() as c:
         r = c.get("/jobs", headers={"Host": "transcribe.example.com", **bearer(KEY_A)})
     assert r.status_code == 200
+
+
+@pytest.mark.model
+def test_a_key_in_the_path_for_clients_that_send_no_header(keyed: Server, short_clip: Clip) -> None:
+    """Bazarr takes a base URL and sends no header: ``http://host:8000/key/<key>`` serves its two
+    routes as that key's tenant, and nothing else; the key is cut from the path before uvicorn's
+    access log or an error body sees it."""
+    body = pcm(short_clip.path)
+    wrong = "not-a-key-5e6f7a8b"
+    with keyed.client() as c:
+        before_a = {j["id"] for j in c.get("/jobs", headers=bearer(KEY_A)).json()["jobs"]}
+        r = bazarr(c, f"/key/{KEY_A}/asr", body, task="transcribe", language="en", output="json")
+        assert r.status_code == 200, r.text
+        assert wer([short_clip.reference], [r.json()["text"]]) < 0.3, r.json()["text"]
+        d = bazarr(c, f"/key/{KEY_A}/detect-language", body)
+        assert d.status_code == 200 and d.json()["language_code"] == "en", d.text
+        new_a = {j["id"] for j in c.get("/jobs", headers=bearer(KEY_A)).json()["jobs"]} - before_a
+        assert len(new_a) == 2  # both calls ran as A's jobs ...
+        listed_b = {j["id"] for j in c.get("/jobs", headers=bearer(KEY_B)).json()["jobs"]}
+        assert not new_a & listed_b  # ... and B sees neither
+        bad = bazarr(c, f"/key/{wrong}/asr", body)
+        assert bad.status_code == 401 and 'error="invalid_token"' in bad.headers["www-authenticate"]
+        assert bad.json()["error"]["type"] == "unauthorized"
+        # Only whisper-asr-webservice's routes take a key in the path; the rest need the header.
+        for path in (f"/key/{KEY_A}/jobs", f"/key/{KEY_A}/v1/models", f"/key/{KEY_A}/healthz"):
+            r = c.get(path)
+            assert r.status_code == 401, (path, r.text)
+            assert KEY_A not in r.text and "Authorization: Bearer" in r.json()["error"]["message"]
+        assert c.get("/jobs").status_code == 401  # and a header-less call is still refused
+    assert keyed.log_path is not None
+    log = keyed.log_path.read_text(errors="replace")
+    assert "POST /asr?" in log and "POST /detect-language?" in log  # the access log has them
+    assert KEY_A not in log and wrong not in log
