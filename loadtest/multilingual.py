@@ -25,6 +25,10 @@ translation are also translated (``task=translate``), again with no language. Sy
   a control trails ``fw_default`` in a language, the engine lost to itself there: that is how
   far one decode of the same weights moves a language's error rate on this corpus.
 
+``--variants N`` runs ``--variant-systems`` again on N-1 inaudibly changed copies of every clip
+and scores each language over all N versions (:mod:`loadtest.mlvariants`): the comparison with
+the decoder's own noise averaged out.
+
 Scoring is ``loadtest.mlscore`` (the corpus README's rules). The output holds, per system,
 every clip's texts, per-language error rates and their mean, language-ID accuracy, chrF/BLEU,
 wall seconds; the differences of each service system from ``fw_default``; the commit, whether
@@ -46,6 +50,7 @@ from typing import Any
 
 import numpy as np
 
+from loadtest import mlvariants
 from loadtest.common import allocator, machine_info, resolve_model
 from loadtest.mlscore import (
     ML_CORPUS,
@@ -58,6 +63,7 @@ from loadtest.mlscore import (
     spread,
     summary,
 )
+from loadtest.mlvariants import dither, shift
 
 SYSTEMS = ("fw_default", "http", "http_beam1", "http_beam5", "fw_shift5ms", "fw_dither")
 HTTP_FORMS: dict[str, dict[str, str]] = {"http": {}, "http_beam1": {"beam_size": "1"},
@@ -83,18 +89,6 @@ def _store(out: dict[str, Any], c: MClip, task: str, text: str, info: dict[str, 
 
 
 # ---- faster-whisper -----------------------------------------------------------------------------
-def shift(audio: np.ndarray, ms: float = 5.0) -> np.ndarray:
-    """The same audio, starting ``ms`` later (zeros before it)."""
-    return np.concatenate([np.zeros(round(16 * ms), dtype=audio.dtype), audio])
-
-
-def dither(audio: np.ndarray, seed: int = SEED) -> np.ndarray:
-    """The same audio +-1 least significant bit of 16-bit PCM (-90 dBFS), seeded."""
-    rng = np.random.default_rng(seed)
-    lsb = rng.integers(-1, 2, size=audio.shape).astype(audio.dtype) / 32768.0
-    return audio + lsb
-
-
 CONTROLS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"fw_shift5ms": shift,
                                                           "fw_dither": dither}
 
@@ -218,6 +212,30 @@ def run_service(clips: Sequence[MClip], names: Sequence[str], env: dict[str, str
     return results
 
 
+def variants(clips: Sequence[MClip], args: argparse.Namespace, env: dict[str, str],
+             runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
+    """``--variant-systems`` on the clips' copies (:mod:`loadtest.mlvariants`), scored with
+    their outputs on the clips themselves (``runs``)."""
+    names = [n for n in args.variant_systems.split(",") if n]
+    if bad := [n for n in names if n not in runs or n not in ("fw_default", *HTTP_FORMS)]:
+        raise SystemExit(f"--variant-systems {bad}: fw_default or http* systems also in "
+                         "--systems")
+    more: dict[str, dict[str, Any]] = {}
+    with tempfile.TemporaryDirectory(prefix="ml-variants-") as tmp:
+        extra = mlvariants.copies(clips, args.variants, Path(tmp))
+        if "fw_default" in names:
+            t0 = time.perf_counter()
+            more["fw_default"] = run_fw(extra, resolve_model(args.model), args.threads,
+                                        args.seed)
+            more["fw_default"]["wall_s"] = round(time.perf_counter() - t0, 1)
+        if http := [n for n in names if n in HTTP_FORMS]:
+            more.update(run_service(extra, http, env, args.concurrency))
+    out = mlvariants.pooled(clips, extra, runs, more, args.variants)
+    for name, v in out["systems"].items():
+        print(f"{name} over {args.variants} versions", json.dumps(v["summary"]), flush=True)
+    return out
+
+
 # ---- report -------------------------------------------------------------------------------------
 def _fmt(x: Any, sign: bool = False) -> str:
     return "–" if x is None else (f"{x:+.1f}" if sign else f"{x:.1f}")
@@ -258,6 +276,8 @@ def markdown(result: dict[str, Any], clips: Sequence[MClip]) -> str:
                   f"draw: over seeds {', '.join(seeds['seeds'])}, chrF mean "
                   f"{_fmt(seeds['chrf_mean'])} (min {_fmt(seeds['chrf_min'])}, max "
                   f"{_fmt(seeds['chrf_max'])}), BLEU mean {_fmt(seeds['bleu_mean'])}."]
+    if result.get("variants"):
+        lines += mlvariants.markdown(result["variants"], clips)
     lines += ["", f"Command: `{result['command']}`", ""]
     return "\n".join(lines)
 
@@ -290,6 +310,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="more seeds for faster-whisper's translation ('' : none)")
     p.add_argument("--clips", default=None,
                    help="N (a subset spread over the languages) or comma-separated ids")
+    p.add_argument("--variants", type=int, default=1, metavar="N",
+                   help="also run --variant-systems on N-1 inaudibly changed copies of every "
+                        "clip and score each language over all N versions (loadtest.mlvariants)")
+    p.add_argument("--variant-systems", default="fw_default,http",
+                   help="the systems run on the copies (fw_default and http* ones)")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/multilingual.json"))
     args = p.parse_args(argv)
     names = [n for n in args.systems.split(",") if n]
@@ -337,6 +362,8 @@ def main(argv: list[str] | None = None) -> int:
             n: {**against(result["summary"][n], result["summary"]["fw_default"]),
                 "paired_bootstrap": paired_bootstrap(clips, runs[n], base)}
             for n in names if n != "fw_default"}
+    if args.variants > 1:
+        result["variants"] = variants(clips, args, env, runs)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1, ensure_ascii=False))
     md = args.out.with_name(args.out.name + ".md") if args.out.suffix != ".json" \

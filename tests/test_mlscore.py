@@ -1,15 +1,21 @@
 """The multilingual harness's controls and comparison (``loadtest.multilingual``,
 ``loadtest.mlscore``): the controls change audio by what they say and nothing more, and the
-comparison names the languages a system trails in. The harness itself runs the real model
-(``python -m loadtest.multilingual``); these check the pieces its verdicts rest on.
+comparison names the languages a system trails in; the copies of ``--variants`` are the clip
+changed by what they say, and a language is scored over all versions of its clips. The harness
+itself runs the real model (``python -m loadtest.multilingual``); these check the pieces its
+verdicts rest on.
 """
 
 from __future__ import annotations
 
+from dataclasses import replace
+from pathlib import Path
+
 import numpy as np
 
-from loadtest.mlscore import against
-from loadtest.multilingual import dither, shift
+from loadtest import mlvariants
+from loadtest.mlscore import MClip, against
+from loadtest.mlvariants import dither, shift, write_pcm16
 
 LSB = 1 / 32768
 
@@ -51,3 +57,50 @@ def test_against_names_the_languages_a_system_trails_and_leads_in() -> None:
     assert d["ahead_in"] == ["de"]
     assert d["per_lang"] == {"fr": 1.5, "ru": 0.0, "de": -2.0, "ko": None}
     assert d["chrf"] == 1.0 and d["bleu"] == -1.0
+
+
+def clip(tmp_path: Path, clip_id: str = "x-fr-1", language: str = "fr",
+         reference: str = "les deux autres sont situés au bord de la mer jaune") -> MClip:
+    path = tmp_path / f"{clip_id}.wav"
+    write_pcm16(path, audio())
+    return MClip(clip_id, str(path), 1.0, language, reference, None, "test")
+
+
+def test_copies_are_the_clip_k_ms_later_and_dithered_as_16_bit_files(tmp_path: Path) -> None:
+    from faster_whisper import decode_audio
+
+    c = clip(tmp_path)
+    out = mlvariants.copies([c], 4, tmp_path)
+    assert [v.id for v in out] == ["x-fr-1~1", "x-fr-1~2", "x-fr-1~3"]
+    original = decode_audio(c.path)
+    for k, v in enumerate(out, start=1):
+        got = decode_audio(v.path)  # what a client uploads and both systems read
+        assert len(got) == len(original) + 16 * k and not got[:16 * k].any()
+        assert np.array_equal(got, shift(dither(original, seed=k), ms=k))
+        assert np.abs(got[16 * k:].astype(np.float64) - original).max() <= LSB * 1.001
+        assert v.language == c.language and v.reference == c.reference
+        assert v.duration_s == round(len(got) / 16000, 3)
+    assert not np.array_equal(decode_audio(out[0].path)[16:], decode_audio(out[1].path)[32:])
+
+
+def test_a_language_is_scored_over_every_version_of_its_clips(tmp_path: Path) -> None:
+    fr, de = clip(tmp_path), clip(tmp_path, "x-de-1", "de", "das ist ein kurzer satz")
+    extra = [replace(c, id=f"{c.id}~{k}") for c in (fr, de) for k in (1, 2, 3)]
+    right = {c.id: c.reference for c in (fr, de, *extra)}
+    # one word wrong on one version of the French clip, and on all four of the German one
+    svc = {**right, "x-fr-1~2": right["x-fr-1"].replace("jaune", "zone"),
+           **{i: "das ist ein langer satz" for i in right if i.startswith("x-de")}}
+    base = {"fw_default": {"transcripts": {i: right[i] for i in ("x-fr-1", "x-de-1")}},
+            "http": {"transcripts": {i: svc[i] for i in ("x-fr-1", "x-de-1")}}}
+    more = {n: {"transcripts": {c.id: t[c.id] for c in extra}}
+            for n, t in (("fw_default", right), ("http", svc))}
+    v = mlvariants.pooled([fr, de], extra, base, more, 4)
+    assert v["decodes_per_system"] == 8
+    http = v["systems"]["http"]
+    assert http["per_clip"] == {"x-fr-1": {"errors": 1, "units": 44},
+                                "x-de-1": {"errors": 4, "units": 20}}
+    assert http["summary"]["per_lang"] == {"de": 20.0, "fr": round(100 / 44, 2)}
+    assert v["systems"]["fw_default"]["summary"]["per_lang"] == {"de": 0.0, "fr": 0.0}
+    assert v["against_fw_default"]["http"]["trails_in"] == ["de", "fr"]
+    md = "\n".join(mlvariants.markdown(v, [fr, de]))
+    assert "x-de-1 4 against 0 of 20" in md and "x-fr-1 1 against 0 of 44" in md
