@@ -106,7 +106,8 @@ def pooled(clips: Sequence[MClip], extra: Sequence[MClip], outs: dict[str, dict[
         both = merged(outs[name], out)
         systems[name] = {"summary": summary(score(every, both)),
                          "per_clip": per_clip(clips, every, both["transcripts"]),
-                         "wall_s": out.get("wall_s")}
+                         "wall_s": out.get("wall_s"),
+                         **{k: out.get(k, {}) for k in KEYS}}  # the copies' own outputs
     result: dict[str, Any] = {"n": n, "how": HOW, "decodes_per_system": len(every),
                               "systems": systems}
     if "fw_default" in systems:

@@ -102,5 +102,6 @@ def test_a_language_is_scored_over_every_version_of_its_clips(tmp_path: Path) ->
     assert http["summary"]["per_lang"] == {"de": 20.0, "fr": round(100 / 44, 2)}
     assert v["systems"]["fw_default"]["summary"]["per_lang"] == {"de": 0.0, "fr": 0.0}
     assert v["against_fw_default"]["http"]["trails_in"] == ["de", "fr"]
+    assert http["transcripts"] == more["http"]["transcripts"]  # each copy's text is kept
     md = "\n".join(mlvariants.markdown(v, [fr, de]))
     assert "x-de-1 4 against 0 of 20" in md and "x-fr-1 1 against 0 of 44" in md
