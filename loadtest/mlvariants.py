@@ -132,7 +132,7 @@ def markdown(v: dict[str, Any], clips: Sequence[MClip]) -> list[str]:
         lines.append(f"| **{label}** | " + " | ".join(_fmt(summ[n][key]) for n in names) + " |")
     for n, d in v.get("against_fw_default", {}).items():
         trail = d["trails_in"]
-        lines += ["", f"- `{n}` over the versions: mean error {d['mean_err_lang']:+.2f}, chrF "
+        lines += ["", f"- `{n}` over the versions: mean error {_fmt(d['mean_err_lang'], True)}, chrF "
                   f"{_fmt(d['chrf'], True)}; more errors in {', '.join(trail) or 'no language'}, "
                   f"fewer in {', '.join(d['ahead_in']) or 'no language'}."]
         for lang in trail:
