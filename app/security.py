@@ -35,7 +35,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.config import SecuritySettings, Settings
-from app.errors import ServiceError
+from app.errors import NotFound, ServiceError
 from app.web import PAGE_PATHS
 
 OWNER_CHARS = 16  # 64 bits of the digest: unique among any realistic number of keys
@@ -110,21 +110,21 @@ class LoopbackHostMiddleware:
         return is_loopback(h) or any(fnmatch.fnmatchcase(h, t) for t in self.trusted)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open:
+        if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        host = host_header(scope)
-        if self.allowed(host):
+        # A key in the path (a Bazarr base URL kept from a keyed set-up) is cut before anything
+        # logs it and then ignored, as a header's key is here; off its two routes it is a 404.
+        if path_key(scope) is not None and scope["path"] not in PATH_KEY_ROUTES:
+            await send_error(send, NotFound(PATH_KEY_ONLY, path=scope["path"]), scope["path"])
+            return
+        if scope["path"] in self.open or self.allowed(host_header(scope)):
             await self.app(scope, receive, send)
             return
         err = MisdirectedHost(
             "this service has no API keys and answers only requests addressed to localhost; "
             "configure keys, or list this name in BATCHSCRIBE_SECURITY__TRUSTED_HOSTS")
-        body = json.dumps(err.body_for(scope["path"])).encode()
-        await send({"type": "http.response.start", "status": err.status_code, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        ]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, err, scope["path"])
 
 
 def key_digest(key: str) -> str:
@@ -163,10 +163,23 @@ def open_paths(settings: SecuritySettings) -> frozenset[str]:
     return frozenset(paths)
 
 
+async def send_error(send: Send, err: ServiceError, path: str,
+                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    """A JSON error answered by a middleware, before any route (and its handlers) runs."""
+    body = json.dumps(err.body_for(path)).encode()
+    await send({"type": "http.response.start", "status": err.status_code, "headers": [
+        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+        *(extra or []),
+    ]})
+    await send({"type": "http.response.body", "body": body})
+
+
 KEY_PREFIX = "/key/"
 # Routes that take a key in the path: whisper-asr-webservice's, whose clients (Bazarr) set a base
 # URL and send no header. A key in a URL can reach proxies' logs, so nowhere else.
 PATH_KEY_ROUTES = frozenset({"/asr", "/detect-language"})
+PATH_KEY_ONLY = ("a key in the path is taken only by /asr and /detect-language (clients that "
+                 "cannot send a header)")
 
 
 def path_key(scope: Scope) -> str | None:
@@ -207,9 +220,8 @@ class ApiKeyMiddleware:
             return
         in_path = path_key(scope)
         if in_path is not None and scope["path"] not in PATH_KEY_ROUTES:
-            err = Unauthorized("a key in the path is taken only by /asr and /detect-language "
-                               "(clients that cannot send a header); send 'Authorization: "
-                               "Bearer <key>'", scheme="Bearer")
+            err = Unauthorized(f"{PATH_KEY_ONLY}; send 'Authorization: Bearer <key>'",
+                               scheme="Bearer")
             await self._send(send, err, scope["path"], f'Bearer realm="{REALM}"')
             return
         token = in_path or bearer_token(scope)
@@ -234,12 +246,7 @@ class ApiKeyMiddleware:
 
     @staticmethod
     async def _send(send: Send, err: Unauthorized, path: str, challenge: str) -> None:
-        body = json.dumps(err.body_for(path)).encode()
-        await send({"type": "http.response.start", "status": err.status_code, "headers": [
-            (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-            (b"www-authenticate", challenge.encode()),
-        ]})
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, err, path, [(b"www-authenticate", challenge.encode())])
 
 
 def install_security(app: FastAPI, settings: SecuritySettings) -> None:

@@ -27,7 +27,7 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from app.config import SecuritySettings, Settings
-from app.security import ApiKeyMiddleware, KeyRing, key_digest, open_paths, owner_of
+from app.security import ApiKeyMiddleware, KeyRing, LoopbackHostMiddleware, key_digest, open_paths, owner_of
 from tests.conftest import ROOT, Clip, Server, free_port
 from tests.test_asr import bazarr, pcm
 from tests.test_crash import wait_until
@@ -239,6 +239,46 @@ def test_keyless_mode_serves_only_loopback_host_headers(server: Server) -> None:
         for host in (f"127.0.0.1:{port}", f"localhost:{port}", "localhost", f"[::1]:{port}"):
             assert c.get("/jobs", headers={"Host": host}).status_code == 200, host
         assert c.get("/healthz", headers={"Host": "10.1.2.3:8000"}).status_code == 200  # probes
+
+
+def test_keyless_a_key_in_the_path_is_cut_and_ignored() -> None:
+    """Without keys, a Bazarr base URL kept from a keyed set-up (``/key/<key>``) still reaches its
+    two routes, the key cut from the path as it is with keys; any other route under ``/key/`` is
+    a JSON 404 that does not echo the key; the Host check still applies (bare ASGI app)."""
+    async def path(request: Request) -> JSONResponse:
+        return JSONResponse({"path": request.scope["path"], "raw": request.scope["raw_path"].decode()})
+
+    inner = Starlette(routes=[Route(p, path, methods=["GET", "POST"])
+                              for p in ("/asr", "/detect-language", "/jobs", "/healthz")])
+    app = LoopbackHostMiddleware(inner, [], open_paths(SecuritySettings()))
+    secret = "kept-key-3c4d5e6f"
+    with TestClient(app, base_url="http://127.0.0.1:8000") as c:
+        for route in ("/asr", "/detect-language"):
+            r = c.post(f"/key/{secret}{route}?encode=false")
+            assert r.status_code == 200 and r.json() == {"path": route, "raw": route}, r.text
+        for route in ("/jobs", "/healthz", ""):
+            r = c.get(f"/key/{secret}{route}")
+            assert r.status_code == 404 and r.json()["error"]["type"] == "not_found", r.text
+            assert secret not in r.text and "/asr and /detect-language" in r.text
+        r = c.post(f"/key/{secret}/asr", headers={"Host": "attacker.example"})
+        assert r.status_code == 421 and secret not in r.text
+        assert c.get("/jobs").json() == {"path": "/jobs", "raw": "/jobs"}  # the rest unchanged
+
+
+@pytest.mark.model
+def test_keyless_bazarr_with_a_key_in_its_base_url(server: Server, short_clip: Clip) -> None:
+    """The real keyless service answers ``/key/<key>/asr`` as ``/asr``, and never logs the key."""
+    secret = "kept-key-9a8b7c6d"
+    with server.client() as c:
+        r = bazarr(c, f"/key/{secret}/asr", pcm(short_clip.path), task="transcribe",
+                   language="en", output="json")
+        assert r.status_code == 200, r.text
+        assert wer([short_clip.reference], [r.json()["text"]]) < 0.3, r.json()["text"]
+        r = c.get(f"/key/{secret}/jobs")
+        assert r.status_code == 404 and r.headers["x-should-retry"] == "false", r.text
+    assert server.log_path is not None
+    log = server.log_path.read_text(errors="replace")
+    assert "POST /asr?" in log and secret not in log
 
 
 @pytest.mark.model
