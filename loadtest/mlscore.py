@@ -106,6 +106,11 @@ def metric(language: str) -> str:
     return "cer" if language in CER_LANGS else "wer"
 
 
+def units(text: str, language: str) -> list[str]:
+    """The units a text is scored in: its words, or its characters for zh/ja/ko."""
+    return _units(text, language, metric(language) == "cer").split()
+
+
 def clip_rates(clip: MClip, text: str) -> dict[str, Any]:
     wer = _rate([clip.reference], [text], clip.language, chars=False)
     cer = _rate([clip.reference], [text], clip.language, chars=True)

@@ -28,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.mlscore import MClip, against, error_rates, score, summary
+from loadtest.mlscore import MClip, against, error_rates, score, summary, units
 
 SEP = "~"  # a copy's id: <clip id>~<k>
 KEYS = ("transcripts", "languages", "translations")
@@ -97,6 +97,54 @@ def per_clip(clips: Sequence[MClip], every: Sequence[MClip], texts: dict[str, st
     return out
 
 
+def _errors(clip: MClip, text: str) -> int:
+    """One decode's errors on its clip (the language's metric)."""
+    lang = error_rates([clip], {clip.id: text})["all"]["per_language"].get(clip.language)
+    return int(lang["errors"]) if lang else 0
+
+
+def paired(every: Sequence[MClip], texts: dict[str, str], base: dict[str, str]
+           ) -> dict[str, dict[str, Any]]:
+    """Per language, each version of each clip as a pair (``texts`` against ``base``): how many
+    had more errors, fewer, the same, and a two-sided sign test over the untied pairs.
+
+    The versions of one clip are not independent draws (the copies of a clip share its words),
+    so the p-value is a lower bound on what an independent sample would give: a gap it does not
+    call significant is not one an honest reading can call a difference."""
+    from scipy.stats import binomtest
+
+    counts: dict[str, list[int]] = {}
+    for c in every:
+        d = _errors(c, texts.get(c.id, "")) - _errors(c, base.get(c.id, ""))
+        row = counts.setdefault(c.language, [0, 0, 0])
+        row[0 if d > 0 else 1 if d < 0 else 2] += 1
+    out = {}
+    for lang, (worse, better, same) in sorted(counts.items()):
+        p = binomtest(worse, worse + better).pvalue if worse + better else 1.0
+        out[lang] = {"worse": worse, "better": better, "same": same, "sign_p": round(float(p), 4)}
+    return out
+
+
+def medoid(texts: Sequence[str], language: str) -> str:
+    """The version whose units (words, or characters for zh/ja/ko) are nearest, by edit
+    distance summed over the others, to all the others: what the versions agree on."""
+    from rapidfuzz.distance import Levenshtein
+
+    seqs = [units(t, language) for t in texts]
+    costs = [sum(Levenshtein.distance(u, v) for v in seqs) for u in seqs]
+    return texts[costs.index(min(costs))]
+
+
+def consensus(clips: Sequence[MClip], every: Sequence[MClip], texts: dict[str, str]
+              ) -> dict[str, Any]:
+    """Each clip's medoid transcript over its versions, scored: what averaging out the input's
+    noise (test-time augmentation) would buy. A misread that recurs on most versions stays."""
+    chosen = {c.id: medoid([texts.get(v.id, "") for v in every if origin(v.id) == c.id],
+                           c.language) for c in clips}
+    s = summary(score(clips, {"transcripts": chosen}))
+    return {k: s[k] for k in ("mean_err_lang", "mean_err_clip", "per_lang")}
+
+
 def pooled(clips: Sequence[MClip], extra: Sequence[MClip], outs: dict[str, dict[str, Any]],
            more: dict[str, dict[str, Any]], n: int) -> dict[str, Any]:
     """Every system of ``more`` scored over the clips and their copies together."""
@@ -106,14 +154,18 @@ def pooled(clips: Sequence[MClip], extra: Sequence[MClip], outs: dict[str, dict[
         both = merged(outs[name], out)
         systems[name] = {"summary": summary(score(every, both)),
                          "per_clip": per_clip(clips, every, both["transcripts"]),
+                         "consensus": consensus(clips, every, both["transcripts"]),
                          "wall_s": out.get("wall_s"),
                          **{k: out.get(k, {}) for k in KEYS}}  # the copies' own outputs
     result: dict[str, Any] = {"n": n, "how": HOW, "decodes_per_system": len(every),
                               "systems": systems}
     if "fw_default" in systems:
         base = systems["fw_default"]["summary"]
-        result["against_fw_default"] = {k: against(v["summary"], base)
-                                        for k, v in systems.items() if k != "fw_default"}
+        fw = merged(outs["fw_default"], more["fw_default"])["transcripts"]
+        result["against_fw_default"] = {
+            k: {**against(v["summary"], base),
+                "paired": paired(every, merged(outs[k], more[k])["transcripts"], fw)}
+            for k, v in systems.items() if k != "fw_default"}
     return result
 
 
@@ -130,11 +182,23 @@ def markdown(v: dict[str, Any], clips: Sequence[MClip]) -> list[str]:
     for label, key in (("mean error over languages", "mean_err_lang"),
                        ("language ID %", "lid"), ("translation chrF", "chrf")):
         lines.append(f"| **{label}** | " + " | ".join(_fmt(summ[n][key]) for n in names) + " |")
+    cons = {n: s.get("consensus") for n, s in v["systems"].items()}
+    if all(cons.values()):
+        lines += ["", "Each clip's consensus over its versions (the medoid transcript: what "
+                  "averaging out the input's noise would buy), mean error over languages: "
+                  + "; ".join(f"`{n}` {_fmt(summ[n]['mean_err_lang'])} → "
+                              f"{_fmt(c['mean_err_lang'])}" for n, c in cons.items() if c) + "."]
     for n, d in v.get("against_fw_default", {}).items():
         trail = d["trails_in"]
         lines += ["", f"- `{n}` over the versions: mean error {_fmt(d['mean_err_lang'], True)}, chrF "
                   f"{_fmt(d['chrf'], True)}; more errors in {', '.join(trail) or 'no language'}, "
                   f"fewer in {', '.join(d['ahead_in']) or 'no language'}."]
+        sign = [f"{lang} {p['worse']} worse / {p['better']} better / {p['same']} same, "
+                f"p = {p['sign_p']:.2f}" for lang, p in d.get("paired", {}).items()
+                if lang in trail or p["sign_p"] < 0.05]
+        if sign:
+            lines.append("  - versions paired with faster-whisper's, sign test (versions of a clip "
+                         "are not independent, so p is a lower bound): " + "; ".join(sign))
         for lang in trail:
             worse = [f"{cid} {v['systems'][n]['per_clip'][cid]['errors']} against "
                      f"{v['systems']['fw_default']['per_clip'][cid]['errors']} of "

@@ -105,3 +105,32 @@ def test_a_language_is_scored_over_every_version_of_its_clips(tmp_path: Path) ->
     assert http["transcripts"] == more["http"]["transcripts"]  # each copy's text is kept
     md = "\n".join(mlvariants.markdown(v, [fr, de]))
     assert "x-de-1 4 against 0 of 20" in md and "x-fr-1 1 against 0 of 44" in md
+
+
+def test_versions_are_paired_and_their_consensus_scored(tmp_path: Path) -> None:
+    """Each version of a clip is paired with faster-whisper's same version (a sign test per
+    language), and each clip's medoid over its versions is scored: a word misread on one
+    version of four drops out of the consensus, one misread on all four stays."""
+    fr, de = clip(tmp_path), clip(tmp_path, "x-de-1", "de", "das ist ein kurzer satz")
+    extra = [replace(c, id=f"{c.id}~{k}") for c in (fr, de) for k in (1, 2, 3)]
+    right = {c.id: c.reference for c in (fr, de, *extra)}
+    svc = {**right, "x-fr-1~2": right["x-fr-1"].replace("jaune", "zone"),
+           **{i: "das ist ein langer satz" for i in right if i.startswith("x-de")}}
+    base = {n: {"transcripts": {i: t[i] for i in ("x-fr-1", "x-de-1")}}
+            for n, t in (("fw_default", right), ("http", svc))}
+    more = {n: {"transcripts": {c.id: t[c.id] for c in extra}}
+            for n, t in (("fw_default", right), ("http", svc))}
+    v = mlvariants.pooled([fr, de], extra, base, more, 4)
+    paired = v["against_fw_default"]["http"]["paired"]
+    assert paired["de"] == {"worse": 4, "better": 0, "same": 0, "sign_p": 0.125}
+    assert paired["fr"] == {"worse": 1, "better": 0, "same": 3, "sign_p": 1.0}
+    assert v["systems"]["http"]["consensus"]["per_lang"] == {"de": 20.0, "fr": 0.0}
+    assert v["systems"]["fw_default"]["consensus"]["per_lang"] == {"de": 0.0, "fr": 0.0}
+    md = "\n".join(mlvariants.markdown(v, [fr, de]))
+    assert "de 4 worse / 0 better / 0 same, p = 0.12" in md
+    assert "`http` 11.1 → 10.0" in md  # (20 + 100/44 %) / 2 languages, then the medoids
+
+
+def test_medoid_is_the_version_the_others_agree_with() -> None:
+    assert mlvariants.medoid(["一二三四", "一二三五", "一二三四", "六二三四"], "ja") == "一二三四"
+    assert mlvariants.medoid(["a b c", "a x c", "a b c d"], "fr") == "a b c"
