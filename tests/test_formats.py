@@ -9,7 +9,7 @@ import numpy as np
 import srt
 import webvtt
 
-from app.api.openai import verbose_json
+from app.api.openai_shapes import verbose_json
 from app.client.transcribe import sse_events
 from app.engine.words import first_sound, sound_starts
 from app.formats import render

@@ -13,7 +13,7 @@ import pytest
 import srt
 import webvtt
 
-from app.api.openai import diarized_json, speaker_letter
+from app.api.openai_shapes import diarized_json, speaker_letter
 from app.audio import AudioStream, decode, prepare
 from app.audio.vad import SileroVad
 from app.formats import CueOptions, render

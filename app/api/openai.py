@@ -42,12 +42,20 @@ from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
-from pydantic import BaseModel
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from app.api import idempotency, openai_stream
 from app.api.deps import Caller, caller, cue_form, ready_state, state
+from app.api.openai_shapes import (
+    ModelCard,
+    ModelList,
+    OpenAIDiarized,
+    OpenAIError,
+    OpenAITranscription,
+    diarized_json,
+    verbose_json,
+)
 from app.api.transcribe import HOTWORDS_HELP, accept_upload, decode_options, speaker_options
 from app.errors import (
     NO_RETRY,
@@ -67,84 +75,6 @@ Granularity = Literal["word", "segment"]
 # What OpenAI clients send: served by the loaded model (diarized_json adds the speaker models).
 ALIASES = ("whisper-1", "gpt-4o-transcribe-diarize")
 STARTED = int(time.time())  # the model card's "created": when this process loaded it
-
-
-class OpenAIErrorDetail(BaseModel):
-    message: str
-    type: str
-    param: str | None = None
-    code: str | None = None
-
-
-class OpenAIError(BaseModel):
-    error: OpenAIErrorDetail
-
-
-class ModelCard(BaseModel):
-    id: str
-    object: Literal["model"] = "model"
-    created: int
-    owned_by: str
-
-
-class ModelList(BaseModel):
-    object: Literal["list"] = "list"
-    data: list[ModelCard]
-
-
-class VerboseSegment(BaseModel):
-    id: int
-    seek: int
-    start: float
-    end: float
-    text: str
-    tokens: list[int]
-    temperature: float
-    avg_logprob: float | None
-    compression_ratio: float | None
-    no_speech_prob: float | None
-
-
-class VerboseWord(BaseModel):
-    word: str
-    start: float
-    end: float
-
-
-class DiarizedSegment(BaseModel):
-    type: Literal["transcript.text.segment"] = "transcript.text.segment"
-    id: str
-    speaker: str
-    start: float
-    end: float
-    text: str
-
-
-class DurationUsage(BaseModel):
-    type: Literal["duration"] = "duration"
-    seconds: float
-
-
-class OpenAIDiarized(BaseModel):
-    """``response_format=diarized_json``: OpenAI's ``TranscriptionDiarized``."""
-
-    task: Literal["transcribe"] = "transcribe"
-    duration: float
-    text: str
-    segments: list[DiarizedSegment]
-    usage: DurationUsage | None = None
-
-
-class OpenAITranscription(BaseModel):
-    """json: ``text`` only; verbose_json: every field (``words`` when asked for)."""
-
-    text: str
-    task: Literal["transcribe", "translate"] | None = None
-    language: str | None = None
-    duration: float | None = None
-    language_probability: float | None = None
-    segments: list[VerboseSegment] | None = None
-    words: list[VerboseWord] | None = None
 
 
 def _errors(*codes: int) -> dict[int | str, dict[str, Any]]:
@@ -383,52 +313,6 @@ def _unfinished(job_id: str, row: JobRow | None, headers: dict[str, str]) -> Res
                             code=kind, headers=final)
     gone = "was cancelled" if row is not None else "no longer exists"
     return openai_error(409, f"job {job_id} {gone}", code="cancelled", headers=final)
-
-
-def verbose_json(result: dict[str, Any], task: str, words: bool) -> dict[str, Any]:
-    from whisperx.utils import LANGUAGES  # a plain dict module: no torch import
-
-    code = result.get("language")
-    out: dict[str, Any] = {
-        "task": task, "language": LANGUAGES.get(code or "", code), "duration": result["duration"],
-        "text": result["text"], "language_probability": result.get("language_probability"),
-        "segments": [
-            {"id": s["id"], "seek": s.get("seek", 0), "start": s["start"], "end": s["end"],
-             "text": s["text"], "tokens": s.get("tokens", []),
-             "temperature": s.get("temperature", 0.0), "avg_logprob": s.get("avg_logprob"),
-             "compression_ratio": s.get("compression_ratio"),
-             "no_speech_prob": s.get("no_speech_prob")}
-            for s in result.get("segments", [])
-        ],
-    }
-    if words:
-        out["words"] = [{"word": w["word"], "start": w["start"], "end": w["end"]}
-                        for w in result.get("words") or []]
-    return out
-
-
-def diarized_json(result: dict[str, Any]) -> dict[str, Any]:
-    """OpenAI's ``TranscriptionDiarized`` from a diarized job's result. Speakers are renamed as
-    OpenAI names them (A, B, ... by first appearance); a segment where the speaker models heard
-    no speech at all keeps the name ``unknown``."""
-    names = {s: speaker_letter(k) for k, s in enumerate(result.get("speakers") or [])}
-    segments = [
-        DiarizedSegment(id=f"seg_{k}", speaker=names.get(s.get("speaker") or "", "unknown"),
-                        start=s["start"], end=s["end"], text=s["text"])
-        for k, s in enumerate(s for s in result.get("segments", []) if s.get("text"))
-    ]
-    return OpenAIDiarized(duration=result["duration"], text=result["text"], segments=segments,
-                          usage=DurationUsage(seconds=result["duration"])).model_dump(mode="json")
-
-
-def speaker_letter(k: int) -> str:
-    """A, B, ..., Z, then AA, AB, ... (spreadsheet columns)."""
-    out = ""
-    k += 1
-    while k:
-        k, r = divmod(k - 1, 26)
-        out = chr(65 + r) + out
-    return out
 
 
 @router.api_route("/{path:path}", methods=["GET", "POST", "PUT", "PATCH", "DELETE"],

@@ -1,0 +1,218 @@
+"""Settings of the service around the pipeline: job storage, request limits, keys, webhooks
+and outbound fetches (``BATCHSCRIBE_STORAGE__...``, ``BATCHSCRIBE_LIMITS__...``,
+``BATCHSCRIBE_SECURITY__...``, ``BATCHSCRIBE_WEBHOOKS__...``, ``BATCHSCRIBE_OUTBOUND__...``).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+from pathlib import Path
+from typing import Annotated, Any
+
+from pydantic import BaseModel, Field, SecretStr, field_validator
+from pydantic_settings import NoDecode
+
+from app.config.stages import DEFAULT_HOME
+
+
+class StorageSettings(BaseModel):
+    """Where jobs and uploads live."""
+
+    database_url: str = Field(
+        "", description="SQLAlchemy URL. Empty: SQLite (WAL) at <data_dir>/jobs.db."
+    )
+    data_dir: Path = Field(DEFAULT_HOME / "data", description="Spooled uploads and the SQLite file.")
+    result_ttl_s: int = Field(
+        7 * 24 * 3600, ge=60, le=365 * 24 * 3600,
+        description="Finished jobs (and their results) are deleted after this long.",
+    )
+    max_active_jobs: int = Field(
+        64, ge=1, le=10_000, description="Jobs decoded and queued in the batcher at once."
+    )
+    replica_id: str = Field(
+        "", max_length=128,
+        description="This process's name on the jobs it holds. Empty: <hostname>-<pid>, unique "
+        "among live processes and stable across a container restart in the same pod (pid 1).",
+    )
+    max_attempts: int = Field(
+        3, ge=1, le=100,
+        description="A job is claimed at most this many times: one whose runs keep dying with "
+        "the process (a crash, a stalled engine) then fails instead of taking every restart "
+        "down with it. A graceful drain gives the attempt back, unless the job was inside an "
+        "engine call that outlived the grace.",
+    )
+    lease_s: float = Field(
+        30.0, ge=1, le=3600,
+        description="A replica that stops heartbeating (every lease_s/6) loses its running jobs "
+        "to the others after this long (PostgreSQL; SQLite has one process and requeues at start).",
+    )
+    blob_url: str = Field(
+        "",
+        description="Where uploads live so any replica can read them. Empty: <data_dir>/uploads "
+        "(a shared volume with several replicas); a path: that folder; s3://bucket/prefix: "
+        "S3-compatible storage (needs boto3; credentials from the usual AWS_* variables).",
+    )
+    s3_endpoint_url: str = Field(
+        "", description="S3-compatible endpoint (MinIO, Ceph, R2...). Empty: AWS."
+    )
+    idempotency_window_s: float = Field(
+        24 * 3600.0, ge=60, le=30 * 24 * 3600,
+        description="A POST with an Idempotency-Key the same caller used this recently answers "
+        "with that first job instead of making a new one (also bounded by result_ttl_s: the key "
+        "goes with its job's row). 24 h, as Stripe and the IETF draft suggest: long enough for "
+        "any client retry or a resumed `batchscribe dataset` run.",
+    )
+
+    def replica(self) -> str:
+        return self.replica_id or f"{socket.gethostname()}-{os.getpid()}"
+
+
+class LimitSettings(BaseModel):
+    """Input limits. Each violation is a 4xx that names the limit."""
+
+    max_upload_bytes: int = Field(200 * 1024 * 1024, ge=1024, description="Largest upload.")
+    max_audio_s: float = Field(4 * 3600.0, gt=0, description="Longest audio accepted.")
+    max_backlog_s: float = Field(
+        6 * 3600.0, gt=0, description="Queued audio beyond this gets 429 with Retry-After."
+    )
+    sync_timeout_s: float = Field(
+        600.0, gt=0, le=86_400, description="?wait=true gives up after this (the job continues)."
+    )
+    openai_wait_s: float = Field(
+        540.0, gt=0, le=590,
+        description="/v1 answers within this (or sync_timeout_s if shorter): under the OpenAI "
+        "SDK's default 600 s time-out, after which the SDK uploads the file again. Audio the "
+        "service cannot transcribe in this time at its current speed is refused up front (413, "
+        "naming the async route); a job still running at the deadline is cancelled.",
+    )
+    max_queued_s_per_key: float = Field(
+        3 * 3600.0, gt=0,
+        description="Queued + running audio one API key may hold (429 with Retry-After past it), "
+        "so one key cannot fill the whole backlog and push every other key into 429s. Each job "
+        "counts at least one padded window (see min_job_s). Only with API keys: without them "
+        "every caller is one tenant and max_backlog_s alone applies.",
+    )
+    max_queued_jobs_per_key: int = Field(
+        1000, ge=1, le=1_000_000,
+        description="Queued + running jobs one API key may hold (429; only with API keys)."
+    )
+    max_event_streams_per_key: int = Field(
+        16, ge=1, le=10_000,
+        description="Open GET /jobs/{id}/events streams per API key (429 past it; without keys, "
+        "for all callers together). Streams of one job share one reader of the store, whatever "
+        "their number.",
+    )
+
+
+class SecuritySettings(BaseModel):
+    """Optional API keys. Empty ``api_key_sha256``: no keys, every caller is the same tenant."""
+
+    # NoDecode: the env value is a plain comma-separated list, not JSON (JSON is accepted too).
+    api_key_sha256: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="SHA-256 hex digests of the accepted API keys (comma-separated in the env). "
+        "Keys themselves are never configured: `printf %s KEY | sha256sum`.",
+    )
+    open_health: bool = Field(default=True, description="/healthz and /readyz answer without a key.")
+    open_metrics: bool = Field(default=True, description="/metrics answers without a key.")
+    allow_anonymous: bool = Field(
+        default=False,
+        description="Without API keys the service refuses to start on a non-loopback address "
+        "(anyone who can reach it would read and cancel every job). true: serve everyone "
+        "anyway, on purpose (e.g. behind an authenticating proxy).",
+    )
+    trusted_hosts: list[str] = Field(
+        default_factory=list, max_length=1000,
+        description="Without API keys, only requests whose Host header names a loopback address "
+        "(localhost, 127.0.0.1, [::1]) are served, so a web page cannot read the API through DNS "
+        "rebinding. Extra Host names to accept (JSON list; '*.example.com' for subdomains, '*' "
+        "for any). Not used when keys are configured: a page cannot send the key.",
+    )
+
+    @field_validator("api_key_sha256", mode="before")
+    @classmethod
+    def _split(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = json.loads(v) if v.strip().startswith("[") else v.split(",")
+        if isinstance(v, list):
+            v = [str(h).strip().lower() for h in v if str(h).strip()]
+            bad = [h for h in v if len(h) != 64 or any(c not in "0123456789abcdef" for c in h)]
+            if bad:
+                raise ValueError("api_key_sha256 entries must be 64-character hex SHA-256 digests")
+        return v
+
+
+class WebhookSettings(BaseModel):
+    """Job webhooks (``callback_url``). Off unless a secret is set: every delivery is signed."""
+
+    secret: SecretStr = Field(
+        default=SecretStr(""),
+        description="HMAC-SHA256 key for X-Batchscribe-Signature. Empty: webhooks are off and a "
+        "callback_url is refused.",
+    )
+    max_attempts: int = Field(default=8, ge=1, le=100, description="Attempts per delivery.")
+    backoff_s: float = Field(
+        default=2.0, gt=0, le=3600, description="Wait before the 2nd attempt; doubles after each."
+    )
+    max_backoff_s: float = Field(default=3600.0, gt=0, description="Cap on the wait between attempts.")
+    timeout_s: float = Field(
+        default=10.0, gt=0, le=300,
+        description="Total deadline of one attempt: resolve, connect, send, read the status line "
+        "(a receiver that trickles its answer cannot hold an attempt longer).",
+    )
+    allowed_hosts: list[str] = Field(
+        default_factory=list, max_length=1000,
+        description="Deprecated: use outbound.allowed_hosts (same syntax). Entries here are "
+        "added to it.",
+    )
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.secret.get_secret_value())
+
+
+class OutboundSettings(BaseModel):
+    """Every request the service makes because a client named a URL (webhooks, audio_url).
+
+    Addresses are resolved and checked when the connection is made (DNS rebinding cannot slip
+    past a check made earlier), and the service connects to the address it checked.
+    """
+
+    allowed_hosts: list[str] = Field(
+        default_factory=list, max_length=1000,
+        description="JSON list. Empty: any host whose addresses are all public. Else only these: "
+        "exact names, '.example.com' for a domain and its subdomains, IP addresses or CIDR "
+        "networks. A listed host may resolve to private addresses (the operator named it); "
+        "cloud metadata addresses stay refused unless listed as addresses.",
+    )
+    allow_private: bool = Field(
+        default=False,
+        description="Allow loopback, private, link-local, CGNAT, ULA and IPv4-mapped addresses "
+        "for any host (a trusted network only). Metadata addresses stay refused.",
+    )
+    max_in_flight: int = Field(
+        default=64, ge=1, le=10_000, description="Outbound requests at once, in all."
+    )
+    max_per_host: int = Field(
+        default=8, ge=1, le=10_000,
+        description="Outbound requests at once to one host; more wait (webhooks) or get 429 "
+        "(audio_url), so one slow receiver cannot take every slot.",
+    )
+    max_answer_bytes: int = Field(
+        default=4096, ge=0, le=1024 * 1024,
+        description="Of a webhook receiver's answer body, at most this much is read.",
+    )
+    connect_timeout_s: float = Field(default=5.0, gt=0, le=120, description="Resolve + connect.")
+    fetch_timeout_s: float = Field(
+        default=300.0, gt=0, le=3600,
+        description="Total deadline of one audio_url download (the size limit applies while it "
+        "streams: limits.max_upload_bytes).",
+    )
+    s3_buckets: list[str] = Field(
+        default_factory=list, max_length=1000,
+        description="Buckets an s3:// audio_url may name ('bucket' or 'bucket/prefix'), read with "
+        "the blob store's credentials. Empty: s3:// URLs are refused. The blob store's own "
+        "prefix is never readable this way.",
+    )
