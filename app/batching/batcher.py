@@ -21,10 +21,10 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Sequence
-from functools import partial
+from collections.abc import Awaitable, Callable, Sequence
 
-from app.batching.capacity import BatchCap
+from app.batching.capacity import BatchCap, WorkerSlots, beams
+from app.batching.fairness import JobLedger, fair_order
 from app.batching.stages import Batch, DecodePool, GroupKey, Item, Stage, Stages, encoded_of
 from app.config import BatcherSettings
 from app.engine.device import is_oom
@@ -50,13 +50,6 @@ class Batcher:
         bucket = settings.duration_bucket_s
         self._size_class = size_class or (lambda w: w.duration // bucket)
         self._in_flight = 0  # windows inside engine calls right now
-        # Windows taken from the queue whose result is not out yet (encoded ones included), per
-        # job: a job with none is "fresh" (see _take).
-        self._job_in_flight: dict[str, int] = {}
-        self._short_in_flight = 0  # of those, windows of short requests (see Item.job_windows)
-        # The engine memory of each job's windows taken (see BatcherSettings.job_memory_mb).
-        self._padded = padded or (stages.padded if stages else (lambda w: N_SAMPLES))
-        self._job_mb: dict[str, float] = {}
         self._small: set[int] = set()  # id() of running batches of <= cap/4 windows
         self.settings = settings
         self._cap = BatchCap(settings, metrics, base_memory_mb)  # OOM backoff, memory budget
@@ -64,12 +57,12 @@ class Batcher:
         self._groups: dict[DecodeOptions, list[Item]] = {}  # queued, by options
         self._pool = DecodePool()  # two stages: encoded windows waiting for a decoder batch
         self._wake = asyncio.Event()
-        self._slots = asyncio.Semaphore(workers)
+        self._slots = WorkerSlots(workers)
         self.workers = workers
-        self._retiring: set[asyncio.Task[None]] = set()  # see retire_slots
-        self._retired = 0
+        # Windows per job taken and not answered, and the engine memory they hold.
+        padded = padded or (stages.padded if stages else (lambda w: N_SAMPLES))
+        self._jobs = JobLedger(settings, workers, padded, self._wake)
         self._running: set[asyncio.Task[None]] = set()
-        self._calls: dict[int, float] = {}  # engine calls running: id(windows) -> start
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
 
@@ -102,15 +95,7 @@ class Batcher:
     def oldest_call_s(self) -> float:
         """How long the oldest engine call still running has run (0.0: none). A call the
         engine never returns from keeps growing this: /healthz reports it as a stall."""
-        return time.monotonic() - min(self._calls.values()) if self._calls else 0.0
-
-    @contextlib.contextmanager
-    def _engine_call(self, windows: list[Window], start: float) -> Iterator[None]:
-        self._calls[id(windows)] = start
-        try:
-            yield
-        finally:  # returned, raised or cancelled: no longer running
-            del self._calls[id(windows)]
+        return self._slots.oldest_call_s()
 
     def pending(self) -> int:
         """Windows waiting: for an engine call, or (two stages) between encode and decode."""
@@ -118,21 +103,12 @@ class Batcher:
         return queued + self._pool.pending()
 
     def retire_slots(self, n: int) -> None:
-        """Take ``n`` worker slots (an engine left the rotation, see app/engine/placement.py),
-        so batches form only for threads that can run them, instead of waiting behind the
-        others with whatever windows had arrived."""
-        async def hold() -> None:
-            for _ in range(n):
-                await self._slots.acquire()
-                self._retired += 1
-
-        self._retiring.add(asyncio.ensure_future(hold()))
+        """Take ``n`` worker slots: an engine left the rotation (see WorkerSlots)."""
+        self._slots.retire(n)
 
     def restore_slots(self, n: int) -> None:
         """Give back ``n`` retired slots (the engine is back in rotation)."""
-        for _ in range(min(n, self._retired)):
-            self._retired -= 1
-            self._slots.release()
+        self._slots.restore(n)
         self._wake.set()
 
     # ---- lifecycle ---------------------------------------------------------------------------
@@ -146,8 +122,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         end = loop.time() + grace_s
         self._stopping = True
-        for t in self._retiring:
-            t.cancel()
+        self._slots.stop()
         if self._task:
             self._task.cancel()
             await asyncio.gather(self._task, return_exceptions=True)
@@ -261,7 +236,7 @@ class Batcher:
         key, deadline = self._pool.select(
             now, wait_s=self.settings.max_decode_wait_ms / 1000, limit=limit, small=small,
             idle=idle, queued=(i for g in self._groups.values() for i in g),
-            shorts_in_flight=self._short_in_flight, among=among)
+            shorts_in_flight=self._jobs.short_in_flight, among=among)
         if key is None:
             return None, deadline
         limit = self.limit("decode", key[0])
@@ -286,33 +261,13 @@ class Batcher:
     def limit(self, stage: Stage = "run", options: DecodeOptions | None = None) -> int:
         """Windows the next batch may take (see app/batching/capacity.py): windows x beam count
         where the cap is sized in them (GPU)."""
-        return self._cap.limit(stage, self._in_flight, _beam(options) if options else 1)
+        return self._cap.limit(stage, self._in_flight, beams(options) if options else 1)
 
     def _take(self, group: list[Item]) -> list[Item]:
-        """Choose up to ``cap`` windows of one group: fair across jobs, similar lengths together.
-
-        Sort key: (rank among its API key's windows, rank within its job, size-class distance
-        from the oldest window, age). Key first: a key flooding the queue gets one place per
-        round like every other key. Job rank next: every waiting job gets its next window in
-        before any job gets a second one, so an hour-long upload cannot starve a 5 s request;
-        among equals, windows of similar length share a batch so their decodes finish together.
-        """
-        seed_class = self._size_class(group[0].window)
-        job_rank: dict[str, int] = {}
-        per_owner: dict[str | None, list[tuple[int, float, float, Item]]] = {}
-        for i in group:
-            r = job_rank.get(i.job_id, 0)
-            job_rank[i.job_id] = r + 1
-            per_owner.setdefault(i.owner, []).append(
-                (r, abs(self._size_class(i.window) - seed_class), i.enqueued, i))
-        # Round robin across API keys: every key's best window before any key's second, so one
-        # key flooding the queue with tiny jobs gets one place per round, like every other key.
-        keyed: list[tuple[int, int, float, float, Item]] = []
-        for windows in per_owner.values():
-            windows.sort(key=lambda t: t[:3])
-            keyed += [(k, *t) for k, t in enumerate(windows)]
-        keyed.sort(key=lambda t: t[:4])
-        ranked = [t[1:] for t in keyed]
+        """Choose up to ``cap`` windows of one group: in fair order (see
+        app/batching/fairness.py), within each job's memory, and beside a long upload a batch of
+        its own for new requests."""
+        ranked = fair_order(group, self._size_class)
         limit = self.limit("run", group[0].options)
         small = self.small_batch
         if self._running:
@@ -322,19 +277,14 @@ class Batcher:
             # job, the last free worker (the others all running full batches) takes only a
             # small batch, so the next short request waits for a small batch, not a full one
             # on every worker; one small batch at a time keeps the rest full for throughput.
-            fresh = [t for t in ranked if not self._job_in_flight.get(t[3].job_id)]
+            fresh = [i for i in ranked if self._jobs.fresh(i.job_id)]
             if fresh:
                 ranked = fresh
             elif self._slots.locked() and not self._small:
                 limit = min(limit, small)
-        chosen = self._within_job_memory([t[3] for t in ranked], limit)
+        chosen = self._jobs.within_memory(ranked, limit)
         self._in_flight += len(chosen)
-        for i in chosen:
-            self._job_in_flight[i.job_id] = self._job_in_flight.get(i.job_id, 0) + 1
-            self._short_in_flight += i.job_windows <= small
-            mb = self._window_mb(i.window)
-            self._job_mb[i.job_id] = self._job_mb.get(i.job_id, 0.0) + mb
-            i.future.add_done_callback(partial(self._job_out, i.job_id, i.job_windows <= small, mb))
+        self._jobs.taken(chosen, small)
         taken = set(map(id, chosen))
         group[:] = [i for i in group if id(i) not in taken]
         # Each job's windows in time order inside the batch: cosmetic, but keeps logs readable.
@@ -342,48 +292,6 @@ class Batcher:
         if batch and len(batch) <= small:
             self._small.add(id(batch))  # the same list object reaches _dispatch
         return batch
-
-    def _window_mb(self, w: Window) -> float:
-        return self.settings.window_memory_mb * self._padded(w) / N_SAMPLES
-
-    def _within_job_memory(self, ranked: list[Item], limit: int) -> list[Item]:
-        """The first ``limit`` windows whose job stays within ``job_memory_mb``, and takes at
-        most its share of it per batch (budget / workers), so a long upload alone keeps every
-        worker busy with small batches rather than one with its whole share. A job with
-        nothing in flight always gets one window."""
-        budget = self.settings.job_memory_mb
-        if not budget:
-            return ranked[:limit]
-        share = budget / self.workers
-        chosen: list[Item] = []
-        held = dict(self._job_mb)
-        batch: dict[str, float] = {}
-        for i in ranked:
-            if len(chosen) >= limit:
-                break
-            mb = self._window_mb(i.window)
-            in_batch = batch.get(i.job_id, 0.0)
-            if i.job_id in held and (held[i.job_id] + mb > budget or in_batch + mb > share):
-                continue
-            held[i.job_id] = held.get(i.job_id, 0.0) + mb
-            batch[i.job_id] = in_batch + mb
-            chosen.append(i)
-        return chosen
-
-    def _job_out(self, job_id: str, short: bool, mb: float, _: object) -> None:
-        """A taken window's result is out (or it failed, or was cancelled while encoded)."""
-        self._short_in_flight -= short
-        left_mb = self._job_mb.get(job_id, 0.0) - mb
-        if left_mb > 1e-6:
-            self._job_mb[job_id] = left_mb
-        else:
-            self._job_mb.pop(job_id, None)
-        self._wake.set()  # a job held at its memory share may send its next window
-        left = self._job_in_flight.get(job_id, 1) - 1
-        if left:
-            self._job_in_flight[job_id] = left
-        else:
-            self._job_in_flight.pop(job_id, None)
 
     # ---- running a batch ---------------------------------------------------------------------
     async def _dispatch(self, batch: Batch) -> None:
@@ -434,7 +342,7 @@ class Batcher:
         windows = [i.window for i in items]
         start = time.monotonic()
         try:
-            with self._engine_call(windows, start):
+            with self._slots.call(windows, start):
                 if stage == "encode":
                     assert self._stages is not None
                     encoded = await self._stages.encode(windows, key)
@@ -470,7 +378,7 @@ class Batcher:
         oom = is_oom(exc)
         self._metrics.batches.labels("oom" if oom else "error").inc()
         if oom:
-            self._cap.out_of_memory(len(items), _beam(key))
+            self._cap.out_of_memory(len(items), beams(key))
         if len(items) == 1:
             log.error("window of job %s failed: %s", items[0].job_id, exc)
             items[0].fail(TranscriptionFailed(
@@ -485,8 +393,3 @@ class Batcher:
     def _update_gauges(self) -> None:
         self._metrics.pending_windows.set(self.pending())
 
-
-def _beam(options: DecodeOptions) -> int:
-    """Decoder states per window: the beam, or 1 when sampling. A wider ``other_beam_size`` is
-    not counted: on a GPU the engine decodes those windows in parts that fit (``_decode``)."""
-    return options.beam_size if options.temperature == 0 else 1

@@ -11,15 +11,23 @@ beam, never below what already fits) and ``regrow_after`` clean batches in a row
 again, up to where it started, so one oversized moment does not cost throughput for good. On
 CPU, with ``memory_budget_mb`` set, the windows in flight never exceed what the budget left after
 the resident model can hold (``window_memory_mb`` each, measured by ``python -m loadtest.sweep``).
+
+How many batches run at once: one per engine worker (:class:`WorkerSlots`), fewer while an
+engine is out of the rotation.
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
+import time
+from collections.abc import Iterator
 
 from app.batching.stages import Stage
 from app.config import BatcherSettings
 from app.metrics import Metrics
+from app.windows import DecodeOptions
 
 log = logging.getLogger(__name__)
 
@@ -72,3 +80,50 @@ class BatchCap:
         self._streak = 0
         self._metrics.batch_cap.set(self.value)
         log.warning("engine OOM on %d windows (beam %d); cap now %d", failed, beam, self.value)
+
+
+def beams(options: DecodeOptions) -> int:
+    """Decoder states per window: the beam, or 1 when sampling. A wider ``other_beam_size`` is
+    not counted: on a GPU the engine decodes those windows in parts that fit (``_decode``)."""
+    return options.beam_size if options.temperature == 0 else 1
+
+
+class WorkerSlots(asyncio.Semaphore):
+    """One slot per engine worker: a batch forms only when a slot is free. When an engine leaves
+    the rotation (app/engine/placement.py) its slots are retired, so batches form only for
+    threads that can run them instead of waiting behind the others with whatever windows had
+    arrived; they come back with the engine. Also when each engine call running began."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self._retiring: set[asyncio.Task[None]] = set()
+        self._retired = 0
+        self._calls: dict[int, float] = {}  # engine calls running: id(windows) -> start
+
+    @contextlib.contextmanager
+    def call(self, windows: object, start: float) -> Iterator[None]:
+        self._calls[id(windows)] = start
+        try:
+            yield
+        finally:  # returned, raised or cancelled: no longer running
+            del self._calls[id(windows)]
+
+    def oldest_call_s(self) -> float:
+        return time.monotonic() - min(self._calls.values()) if self._calls else 0.0
+
+    def retire(self, n: int) -> None:
+        async def hold() -> None:
+            for _ in range(n):
+                await self.acquire()
+                self._retired += 1
+
+        self._retiring.add(asyncio.ensure_future(hold()))
+
+    def restore(self, n: int) -> None:
+        for _ in range(min(n, self._retired)):
+            self._retired -= 1
+            self.release()
+
+    def stop(self) -> None:
+        for t in self._retiring:
+            t.cancel()
