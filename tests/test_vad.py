@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from app.audio import decode
-from app.audio.vad import BLOCK, CHUNK, SileroVad, speech_spans
+from app.audio.spans import speech_spans
+from app.audio.vad import BLOCK, CHUNK, SileroVad
 from app.windows import SPEECH_PAD_S
 from tests.conftest import Clip
 
