@@ -32,7 +32,6 @@ from reference clips is not implemented.
 
 from __future__ import annotations
 
-import asyncio
 import time
 from collections.abc import Callable, Coroutine, Mapping
 from pathlib import PurePath
@@ -57,6 +56,7 @@ from app.api.openai_shapes import (
     verbose_json,
 )
 from app.api.transcribe import HOTWORDS_HELP, accept_upload, decode_options, speaker_options
+from app.api.waiting import ended_or_gone
 from app.errors import (
     NO_RETRY,
     BadRequest,
@@ -280,25 +280,10 @@ async def _wait(request: Request, st: AppState, job_id: str, wait_s: float,
                 cancel_if_gone: bool = True) -> JobRow | None:
     """Wait for the job (at most ``wait_s``); stop waiting as soon as the client disconnects,
     and then cancel the job unless ``cancel_if_gone`` is off."""
-    waiting = asyncio.create_task(st.runner.wait(job_id, wait_s))
-    gone = asyncio.create_task(_disconnected(request))
-    try:
-        await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for t in (waiting, gone):
-            t.cancel()
-        await asyncio.gather(waiting, gone, return_exceptions=True)
-    row = await st.store.get(job_id)
-    if (cancel_if_gone and gone.done() and not gone.cancelled() and row is not None
-            and row.status not in TERMINAL):
+    row, left = await ended_or_gone(request, st, job_id, wait_s)
+    if cancel_if_gone and left and row is not None and row.status not in TERMINAL:
         await st.runner.cancel(row)
     return row
-
-
-async def _disconnected(request: Request) -> None:
-    # The body is fully read (the form is parsed): the next ASGI message is the disconnect.
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def _unfinished(job_id: str, row: JobRow | None, headers: dict[str, str]) -> Response:

@@ -30,9 +30,11 @@ class Restarting(ServiceError):
     error_type = "shutting_down"
 
 
-async def wait_for_job(request: Request, st: AppState, job_id: str) -> JobRow:
-    """The job once it is done; else the error to answer (:class:`ServiceError`)."""
-    waiting = asyncio.create_task(_until_ended(st, job_id, st.settings.limits.sync_timeout_s))
+async def ended_or_gone(request: Request, st: AppState, job_id: str, timeout_s: float
+                        ) -> tuple[JobRow | None, bool]:
+    """Wait until the job ends (here or on another replica), the client disconnects or
+    ``timeout_s`` passes: the job's row then, and whether the client left."""
+    waiting = asyncio.create_task(_until_ended(st, job_id, timeout_s))
     gone = asyncio.create_task(_disconnected(request))
     try:
         await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -40,10 +42,14 @@ async def wait_for_job(request: Request, st: AppState, job_id: str) -> JobRow:
         for t in (waiting, gone):
             t.cancel()
         await asyncio.gather(waiting, gone, return_exceptions=True)
-    row = await st.store.get(job_id)
+    return await st.store.get(job_id), gone.done() and not gone.cancelled()
+
+
+async def wait_for_job(request: Request, st: AppState, job_id: str) -> JobRow:
+    """The job once it is done; else the error to answer (:class:`ServiceError`)."""
+    row, left = await ended_or_gone(request, st, job_id, st.settings.limits.sync_timeout_s)
     if row is None:
         raise StillRunning(f"job {job_id} no longer exists", job_id=job_id)
-    left = gone.done() and not gone.cancelled()
     if row.status not in TERMINAL and (left or st.runner.stopped):
         await st.runner.cancel(row)  # nobody will collect it: the client left, or retries elsewhere
         if left:
