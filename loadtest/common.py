@@ -18,7 +18,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
 from importlib import metadata
 from pathlib import Path
@@ -306,6 +306,25 @@ def join_texts(windows: Sequence[ClipWindow], texts: Sequence[str]) -> dict[str,
     for cw, t in zip(windows, texts, strict=True):
         parts.setdefault(cw.clip_id, []).append((cw.index, t.strip()))
     return {k: " ".join(t for _, t in sorted(v) if t) for k, v in parts.items()}
+
+
+def wait_up(proc: subprocess.Popen[bytes], url: str, timeout: float, what: str,
+            log_tail: Callable[[], str]) -> bool:
+    """Poll ``url`` until it answers 200 (True), the process exits (RuntimeError with its log's
+    tail) or ``timeout`` passes (False: the caller stops it and says so)."""
+    import httpx
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited with {proc.returncode}:\n{log_tail()}")
+        try:
+            if httpx.get(url, timeout=2).status_code == 200:
+                return True
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.25)
+    return False
 
 
 def now() -> float:

@@ -51,7 +51,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 
 from loadtest.common import (
     ROOT,
@@ -65,6 +64,7 @@ from loadtest.common import (
     proc_status_kb,
     resolve_model,
     select_clips,
+    wait_up,
 )
 from loadtest.probes import cpu_seconds
 from loadtest.report import error_kinds, log
@@ -149,14 +149,8 @@ class PeerServer:
             self.proc = subprocess.Popen(self.command(python), cwd=self.work, env=env,
                                          stdout=f, stderr=subprocess.STDOUT,
                                          start_new_session=True)
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"peer exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
-                    return self
-            time.sleep(0.25)
+        if wait_up(self.proc, self.url + "/health", timeout, "peer", self.log_tail):
+            return self
         self.stop()
         raise RuntimeError(f"peer not up in {timeout:.0f}s:\n{self.log_tail()}")
 

@@ -7,7 +7,6 @@ because it shares the 2 cores with the server it measures.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import os
 import signal
@@ -20,7 +19,6 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
-import httpx
 
 from loadtest.common import (
     ROOT,
@@ -30,6 +28,7 @@ from loadtest.common import (
     free_port,
     proc_status_kb,
     replay_order,
+    wait_up,
     write_wav16,
 )
 from loadtest.probes import counter_delta, cpu_seconds, cpu_split, histogram_delta, parse_metrics, thread_cpu
@@ -68,14 +67,8 @@ class Server:
         self.proc = subprocess.Popen([sys.executable, *self.argv], cwd=ROOT, env=env,
                                      stdout=log, stderr=subprocess.STDOUT)
         log.close()
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log_tail()}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
-                    return self
-            time.sleep(0.25)
+        if wait_up(self.proc, self.url + "/readyz", timeout, "server", self.log_tail):
+            return self
         self.stop()
         raise RuntimeError(f"server not ready in {timeout:.0f}s:\n{self.log_tail()}")
 
