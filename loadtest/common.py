@@ -217,14 +217,18 @@ def machine_info() -> dict[str, Any]:
 
 
 def git_revision() -> str | None:
+    """``<short sha>`` or ``<short sha>-dirty``; where the tree travelled without its .git (a
+    lent GPU host), the revision ``loadtest.gpu_bundle pack`` recorded from the committed tree."""
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
-        return None
-    return (rev + ("-dirty" if dirty else "")) or None
+        rev, dirty = "", ""
+    if not rev:
+        return os.environ.get("BATCHSCRIBE_GIT_REVISION") or None
+    return rev + ("-dirty" if dirty else "")
 
 
 def resolve_model(name: str) -> str:

@@ -1,130 +1,205 @@
-"""``scripts/gpu-check``: one command for whoever has a GPU. The service on the device, measured.
+"""``scripts/gpu-check``: the service on a device, measured in one run of a few minutes.
 
     scripts/gpu-check                                  # cuda:0, whisper-base
-    scripts/gpu-check --model large-v3-turbo           # a provisioned name, or a model folder
+    scripts/gpu-check --model large-v3                 # a provisioned name, or a model folder
     scripts/gpu-check --device cpu                     # the same run on CPU
 
-Each phase is a real ``python -m app`` on the device, driven over HTTP with the corpus
-(``../shared/corpus`` or ``--corpus``), every clip sent at once (``--concurrency`` in flight):
+The results file (``loadtest/results/gpu-<device>.json`` or ``--out``) is rewritten after every
+step, so a run cut short still holds what it measured. It records the host (GPU, driver, CUDA
+of torch, the cuBLAS file the service actually mapped, CTranslate2 and torch versions) and:
 
-1. ``default``: the service as it starts (its warm-up and the cap it measured, from /readyz),
-   then three passes: language given (``en``), language detected, word timestamps.
-2. ``forced_oom``: no warm-up and a cap far above what the device holds (``--oom-cap``), so
-   batches run out of memory and the OOM backoff has to recover: OOM events, failed jobs.
-3. ``sweep``: one service per cap in ``--sweep`` (an explicit ``max_batch_size``), one pass each.
+1. the service (``python -m app``, its own warm-up and sizing, quoted from ``/readyz``), driven
+   over HTTP with the corpus (``--corpus``, every clip posted at once, ``--concurrency`` in
+   flight): ``corpus_detected`` (no language, as clients send), ``corpus_en``;
+2. ``forced_oom`` (GPU): a side process takes all but ``--oom-keep-gb`` of the free memory,
+   the long upload and the corpus run into real out-of-memory errors, the side process lets
+   go, and a second round lets the cap grow back: OOM events, the cap's path, failed jobs,
+   ``/healthz``;
+3. ``long_alone``: one long upload (the corpus concatenated, ``--long-min`` minutes) on an idle
+   service: the batch sizes one job reaches against the sized cap;
+4. ``long_beside_short``: that upload and the corpus at once (latency of both, batch sizes);
+5. ``bare_encode``, last, with the service stopped: CTranslate2's encoder alone (a child
+   process) at Whisper's 30 s and at 10 s, at several batch sizes (and, on GPU, with its flash
+   attention): the device's own rate and its allocator's peak.
 
-Per pass: throughput (audio s / wall s), RTF (wall s / audio s), WER (read speech, other sets),
-latency, OOM events, batch sizes, peak device memory (sampled from /metrics every 0.5 s: NVML
-per GPU; on CPU the server's peak RSS). Written to ``loadtest/results/gpu-<device>.json``.
+Per step: failures, WER (read speech and the rest), throughput (audio s / wall s), latency
+(p50, p95, max, from the moment each request was posted), mean batch size and distribution, GPU
+utilisation and peak memory (NVML sampled every 0.2 s; the CUDA pool, CTranslate2's
+allocator, from the service's metrics; on CPU the server's peak RSS).
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
 import json
+import os
+import subprocess
 import sys
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from loadtest.common import DEFAULT_CORPUS, ROOT, Clip, load_corpus, machine_info, select_clips
+from loadtest.gpu_watch import MetricsSampler, NvmlSampler, VramHog
 from loadtest.probes import counter_delta, histogram_delta
 from loadtest.scoring import latency_summary, normaliser_name, wer_by_group
-from loadtest.service import Client, Server, all_at_once
-
-PASSES: dict[str, tuple[str | None, dict[str, str]]] = {
-    "language_en": ("en", {}),
-    "language_detected": (None, {}),
-    "word_timestamps": ("en", {"word_timestamps": "true"}),
-}
+from loadtest.service import Client, Result, Server, all_at_once, write_long_wav
 
 
-class MemoryPeaks:
-    """Peak device memory during a pass, from the server's own gauges (scraped every 0.5 s)."""
+class Report:
+    def __init__(self, path: Path, head: dict[str, Any]) -> None:
+        self.path, self.data, self.t0 = path, head, time.monotonic()
+        self.save()
 
-    def __init__(self, client: Client) -> None:
-        self.client = client
-        self.peak: dict[str, float] = {}
-        self._stop = asyncio.Event()
+    def save(self) -> None:
+        self.data["minutes"] = round((time.monotonic() - self.t0) / 60, 2)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
 
-    async def run(self) -> None:
-        while not self._stop.is_set():
-            for (name, labels), v in (await self.client.metrics()).items():
-                if name in ("batchscribe_device_memory_used_bytes", "batchscribe_engine_memory_bytes"):
-                    key = f"{name.removeprefix('batchscribe_').removesuffix('_bytes')}{labels}"
-                    self.peak[key] = max(self.peak.get(key, 0.0), v)
-            with contextlib.suppress(TimeoutError):  # a sample every 0.5 s until stopped
-                await asyncio.wait_for(self._stop.wait(), 0.5)
+    def step(self, name: str, fn: Callable[[], Any]) -> Any:
+        print(f"gpu-check: {name} ...", flush=True)
+        t = time.monotonic()
+        try:
+            value = fn()
+        except Exception as exc:  # recorded, and the run goes on to the next step
+            value = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        if isinstance(value, dict):
+            value["step_s"] = round(time.monotonic() - t, 1)
+        self.data[name] = value
+        self.save()
+        print(f"gpu-check: {name}: {brief(value)}", flush=True)
+        return value
 
-    def stop(self) -> dict[str, float]:
-        self._stop.set()
-        return {k: round(v / 2**20, 1) for k, v in sorted(self.peak.items())}
+
+def brief(v: Any) -> str:
+    if not isinstance(v, dict):
+        return str(v)[:300]
+    keys = ("error", "throughput_x", "failed", "wer_read_percent", "batch_size", "oom_events",
+            "gpu", "cap_min", "cap_max", "healthz")
+    return json.dumps({k: v[k] for k in keys if k in v}, default=str)[:600]
 
 
-async def run_pass(srv: Server, clips: list[Clip], concurrency: int, language: str | None,
-                   fields: dict[str, str]) -> dict[str, Any]:
-    client = Client(srv.url, clips, language, fields=fields)
+def host_info(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"machine": machine_info()}
+    if device == "cuda":
+        def sh(cmd: str) -> str:
+            got = subprocess.run(cmd, shell=True, capture_output=True, text=True, timeout=30)
+            return got.stdout.strip()
+        info["gpu"] = sh("nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm,"
+                         "power.limit --format=csv,noheader")
+        info["cuda_driver"] = sh("nvidia-smi | grep -o 'CUDA Version: [0-9.]*'")
+        try:
+            import torch
+
+            info["torch_cuda"] = torch.version.cuda
+        except ImportError:
+            info["torch_cuda"] = None
+        info["ld_library_path"] = os.environ.get("LD_LIBRARY_PATH")
+    return info
+
+
+def mapped_libraries(pid: int) -> list[str]:
+    """The CUDA libraries a process has mapped (which cuBLAS CTranslate2's dlopen found)."""
+    try:
+        maps = Path(f"/proc/{pid}/maps").read_text()
+    except OSError:
+        return []
+    names = {line.split()[-1] for line in maps.splitlines() if "/lib" in line}
+    return sorted(n for n in names if any(k in n for k in ("cublas", "cudart", "ctranslate2")))
+
+
+# ---- one step's traffic ----------------------------------------------------------------------
+async def measured(srv: Server, clips: list[Clip], language: str | None,
+                   traffic: Callable[[Client], Awaitable[list[Result]]]) -> dict[str, Any]:
+    client = Client(srv.url, clips, language)
     try:
         before = await client.metrics()
-        peaks = MemoryPeaks(client)
-        sampler = asyncio.create_task(peaks.run())
         t0 = time.monotonic()
-        results = await all_at_once(client, clips, concurrency)
+        with NvmlSampler() as nvml:
+            async with MetricsSampler(client) as gauges:
+                results = await traffic(client)
         wall = time.monotonic() - t0
-        memory = peaks.stop()
-        await sampler
         after = await client.metrics()
     finally:
         await client.close()
     ok = [r for r in results if r.ok]
+    short = [r for r in ok if r.clip.duration_s < 600]
     audio = sum(r.clip.duration_s for r in ok)
+    wer = (wer_by_group([r.clip for r in short], {r.clip.id: r.text or "" for r in short})
+           if short else {})
     return {
-        "clips": len(clips), "ok": len(ok), "failed": len(results) - len(ok),
+        "requests": len(results), "ok": len(ok), "failed": len(results) - len(ok),
         "errors": sorted({r.error or "" for r in results if not r.ok})[:5],
-        "wall_s": round(wall, 2), "audio_s": round(audio, 2),
-        "throughput_x": round(audio / wall, 2) if wall else None,
-        "rtf": round(wall / audio, 4) if audio else None,
-        "wer": wer_by_group(clips, {r.clip.id: r.text or "" for r in ok}),
-        "latency": latency_summary([r.latency for r in ok]),
-        "words_per_clip": (round(sum(r.words or 0 for r in ok) / len(ok), 1)
-                           if fields.get("word_timestamps") and ok else None),
-        "oom_events": counter_delta(before, after, "batchscribe_oom_events_total"),
+        "wall_s": round(wall, 2), "audio_s": round(audio, 1),
+        "throughput_x": round(audio / wall, 1) if wall else None,
+        "wer_read_percent": wer.get("read_speech", {}).get("wer_percent"), "wer": wer,
+        "latency_short": latency_summary([r.latency for r in short]),
+        "latency_long": [round(r.latency, 2) for r in ok if r.clip.duration_s >= 600],
         "batch_size": histogram_delta(before, after, "batchscribe_batch_size_windows"),
-        "batch_cap_after": after.get(("batchscribe_batch_cap_windows", "")),
-        "peak_memory_mb": memory, "server_peak_rss_mb": srv.peak_rss_mb(),
+        "oom_events": counter_delta(before, after, "batchscribe_oom_events_total"),
+        "cap_after": after.get(("batchscribe_batch_cap_windows", "")),
+        **gauges.summary(), "gpu": nvml.summary(), "server_peak_rss_mb": srv.peak_rss_mb(),
     }
 
 
-def server(args: argparse.Namespace, name: str, env: dict[str, str]) -> Server:
-    base = {"BATCHSCRIBE_MODEL__DEVICE": args.device, "BATCHSCRIBE_MODEL__NAME": args.model,
-            "BATCHSCRIBE_STORAGE__DATA_DIR": str(args.work / name)}
-    return Server(args.work / name, env={**base, **env}).start(timeout=args.start_timeout)
+def corpus(clips: list[Clip], concurrency: int) -> Callable[[Client], Awaitable[list[Result]]]:
+    return lambda client: all_at_once(client, clips, concurrency)
 
 
-def phase(args: argparse.Namespace, clips: list[Clip], name: str, env: dict[str, str],
-          passes: dict[str, tuple[str | None, dict[str, str]]]) -> dict[str, Any]:
-    print(f"gpu-check: {name}: starting the service ({env or 'defaults'})", flush=True)
-    t0 = time.monotonic()
-    srv = server(args, name, env)
-    out: dict[str, Any] = {"env": env, "start_s": round(time.monotonic() - t0, 1)}
+def long_and(long: Clip, clips: list[Clip],
+             concurrency: int) -> Callable[[Client], Awaitable[list[Result]]]:
+    async def run(client: Client) -> list[Result]:
+        client.blobs[long.id] = Path(long.path).read_bytes()
+        first = asyncio.create_task(client.transcribe(long))
+        await asyncio.sleep(1.0)  # the long upload's windows are queued first
+        rest = await all_at_once(client, clips, concurrency) if clips else []
+        return [await first, *rest]
+    return run
+
+
+def forced_oom(srv: Server, clips: list[Clip], long: Clip, args: argparse.Namespace) -> dict[str, Any]:
+    """A real OOM: another process holds the memory, then lets go; the service must recover."""
+    hog = VramHog(int(args.oom_keep_gb * 2**30)).start()
+    out: dict[str, Any] = {"keep_gb": args.oom_keep_gb, "held_gb": round(hog.held / 2**30, 1),
+                           "free_while_held_gb": round(hog.free_after / 2**30, 2)}
     try:
-        out["readyz"] = httpx.get(srv.url + "/readyz", timeout=10).json()
-        for label, (language, fields) in passes.items():
-            print(f"gpu-check: {name}: pass {label} ({len(clips)} clips)", flush=True)
-            out[label] = asyncio.run(run_pass(srv, clips, args.concurrency, language, fields))
-            print(f"gpu-check: {name}: {label}: {summary(out[label])}", flush=True)
+        out["while_held"] = asyncio.run(measured(srv, clips, None,
+                                                 long_and(long, clips, args.concurrency)))
     finally:
-        srv.stop()
+        hog.release()
+    out["after_release"] = asyncio.run(measured(srv, clips, None,
+                                                long_and(long, clips, args.concurrency)))
+    health = httpx.get(srv.url + "/healthz", timeout=10)
+    held, after = out["while_held"], out["after_release"]
+    out.update({"oom_events": held["oom_events"] + after["oom_events"],
+                "failed": held["failed"] + after["failed"], "healthz": health.status_code,
+                "cap_min": min(x for x in (held["cap_min"], after["cap_min"]) if x is not None),
+                "cap_max": after["cap_max"]})
     return out
 
 
-def summary(p: dict[str, Any]) -> str:
-    return (f"{p['throughput_x']}x, WER read {p['wer']['read_speech']['wer_percent']}%, "
-            f"{p['failed']} failed, {p['oom_events']:.0f} OOM events")
+# ---- the run -----------------------------------------------------------------------------------
+def bare_encode(args: argparse.Namespace, compute_type: str) -> dict[str, Any]:
+    """The encoder alone; on GPU once more with CTranslate2's flash attention (64 windows)."""
+    gpu = args.device == "cuda"
+    batches = args.bare_batches or ("1,16,64,128" if gpu else "1,8")
+    runs: list[tuple[str, list[str]]] = [("default", ["--batches", batches])]
+    if gpu:
+        runs.append(("flash_attention", ["--batches", "64", "--flash-attention"]))
+    out: dict[str, Any] = {}
+    for name, extra in runs:
+        cmd = [sys.executable, "-m", "loadtest.gpu_bare", "--model", args.model_dir, "--device",
+               args.device, "--compute-type", compute_type, "--corpus", str(args.corpus),
+               "--reps", "5" if gpu else "2", *extra]
+        got = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+        line = [x for x in got.stdout.splitlines() if x.startswith("RESULT ")]
+        out[name] = (json.loads(line[0][7:]) if line
+                     else {"error": f"exit {got.returncode}: {got.stderr[-1500:]}"})
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -135,40 +210,63 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--corpus", type=Path, default=DEFAULT_CORPUS)
     ap.add_argument("--clips", type=int, default=None, help="a subset of the corpus (all: 83)")
     ap.add_argument("--concurrency", type=int, default=32, help="requests in flight")
-    ap.add_argument("--sweep", default="4,8,16,32,64", help="caps to sweep (empty: none)")
-    ap.add_argument("--oom-cap", type=int, default=256, help="the forced-OOM phase's cap")
-    ap.add_argument("--start-timeout", type=float, default=900.0)
+    ap.add_argument("--long-min", type=float, default=None,
+                    help="the long upload's minutes (default: 60 on GPU, 10 on CPU)")
+    ap.add_argument("--oom-keep-gb", type=float, default=2.0,
+                    help="GPU memory left free by the side process in forced_oom")
+    ap.add_argument("--bare-batches", default=None)
+    ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--work", type=Path, default=Path("/tmp/batchscribe-gpu-check"))
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
+    from loadtest.common import resolve_model
+
+    args.model_dir = resolve_model(args.model)
     out_path = args.out or ROOT / "loadtest" / "results" / f"gpu-{args.device}.json"
     clips = select_clips(load_corpus(args.corpus), args.clips)
-    t0 = time.monotonic()
-    report: dict[str, Any] = {
+    report = Report(out_path, {
         "command": "scripts/gpu-check " + " ".join(sys.argv[1:] if argv is None else argv),
-        "device": args.device, "model": args.model, "machine": machine_info(),
+        "device": args.device, "model": args.model, "host": host_info(args.device),
         "clips": len(clips), "audio_s": round(sum(c.duration_s for c in clips), 1),
-        "concurrency": args.concurrency, "normaliser": normaliser_name(),
-    }
-    report["default"] = phase(args, clips, "default", {}, PASSES)
-    report["forced_oom"] = phase(
-        args, clips, "forced_oom",
-        {"BATCHSCRIBE_MODEL__WARMUP": "false", "BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE": str(args.oom_cap)},
-        {"language_en": PASSES["language_en"]})
-    report["sweep"] = []
-    for cap in [int(c) for c in args.sweep.split(",") if c.strip()]:
-        p = phase(args, clips, f"cap-{cap}", {"BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE": str(cap)},
-                  {"language_en": PASSES["language_en"]})
-        row = p["language_en"]
-        report["sweep"].append({"cap": cap, "throughput_x": row["throughput_x"], "rtf": row["rtf"],
-                                "oom_events": row["oom_events"], "failed": row["failed"],
-                                "peak_memory_mb": row["peak_memory_mb"],
-                                "server_peak_rss_mb": row["server_peak_rss_mb"],
-                                "batch_size_mean": row["batch_size"]["mean"]})
-    report["minutes"] = round((time.monotonic() - t0) / 60, 1)
-    out_path.parent.mkdir(parents=True, exist_ok=True)
-    out_path.write_text(json.dumps(report, indent=1) + "\n")
-    print(f"gpu-check: wrote {out_path} ({report['minutes']} min)")
+        "concurrency": args.concurrency, "normaliser": normaliser_name()})
+    minutes = args.long_min or (60.0 if args.device == "cuda" else 10.0)
+    long_path = args.work / "long.wav"
+    args.work.mkdir(parents=True, exist_ok=True)
+    long = Clip("long", str(long_path), write_long_wav(clips, long_path, minutes * 60), "", "long")
+    env = {"BATCHSCRIBE_MODEL__DEVICE": args.device, "BATCHSCRIBE_MODEL__NAME": args.model,
+           "BATCHSCRIBE_STORAGE__DATA_DIR": str(args.work / "service")}
+    t0 = time.monotonic()
+    srv = Server(args.work / "service", env=env).start(timeout=args.start_timeout)
+    try:
+        report.data["service"] = {
+            "start_s": round(time.monotonic() - t0, 1),
+            "readyz": httpx.get(srv.url + "/readyz", timeout=10).json(),
+            "mapped": mapped_libraries(srv.proc.pid) if srv.proc else []}
+        report.save()
+        run = asyncio.run
+        report.step("corpus_detected", lambda: run(measured(srv, clips, None,
+                                                            corpus(clips, args.concurrency))))
+        report.step("corpus_en", lambda: run(measured(srv, clips, "en",
+                                                      corpus(clips, args.concurrency))))
+        if args.device == "cuda":
+            report.step("forced_oom", lambda: forced_oom(srv, clips, long, args))
+        else:
+            report.data["forced_oom"] = {"skipped": "no device memory to take on CPU; the OOM "
+                                         "backoff is tested there by fault injection "
+                                         "(tests/test_gpu_service.py)"}
+        report.step("long_alone", lambda: run(measured(srv, clips, None,
+                                                       long_and(long, [], args.concurrency))))
+        report.step("long_beside_short", lambda: run(measured(
+            srv, clips, None, long_and(long, clips, args.concurrency))))
+    finally:
+        srv.stop()
+        report.data["server_log_tail"] = srv.log_tail(3000)
+        report.save()
+    # Last, on the device alone: the service's memory is back before the encoder is timed.
+    compute_type = report.data.get("service", {}).get("readyz", {}).get("compute_type") or (
+        "float16" if args.device == "cuda" else "int8")
+    report.step("bare_encode", lambda: bare_encode(args, compute_type))
+    print(f"gpu-check: wrote {out_path} ({report.data['minutes']} min)")
     return 0
 
 

@@ -195,7 +195,8 @@ class BatcherSettings(BaseModel):
         "share per worker: a long upload alone then runs one 30 s window per worker, not full "
         "batches (a one-call batch of eight 30 s windows: +431 MB per worker). Measured with a "
         "13-minute upload on a fresh server: RSS +237 MB at 200, +516 MB at 400. Short "
-        "requests never reach it. 0: no per-job limit.",
+        "requests never reach it. 0: no per-job limit. GPU, unless set: derived from the "
+        "warm-up's sizing so that one job can fill every worker's batch (app/engine/sizing.py).",
     )
     memory_headroom: float = Field(
         0.1, ge=0.0, le=0.9,

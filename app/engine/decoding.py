@@ -64,7 +64,7 @@ class Prompts:
     def __init__(self, model: Any) -> None:
         from faster_whisper.tokenizer import Tokenizer
 
-        self._model = model  # whisperx's WhisperModel: hf_tokenizer, get_prompt, max_length
+        self._model = model  # faster-whisper's WhisperModel: hf_tokenizer, get_prompt, max_length
         self._tokenizer_cls = Tokenizer
         self._tokenizers: dict[tuple[str, Task], Any] = {}
         self._prompts: dict[tuple[str, Task, str | None, str | None], list[int]] = {}
@@ -125,12 +125,35 @@ def detected(result: Any) -> tuple[str, float]:
 
 
 def batch_rows(encoder_output: Any, idx: list[int]) -> Any:
-    """Rows ``idx`` of a batch's encoder output; all of them: the output itself, no copy."""
+    """Rows ``idx`` of a batch's encoder output; all of them: the output itself, no copy.
+
+    On a GPU the rows are gathered where they are (torch over the CUDA array interface, on this
+    thread's side stream, see :func:`app.engine.mel.encoder_input`): the re-decodes
+    (``_widen``, ``_unloop``, ``_again``), the beam groups and detection each take a few rows of
+    a batch, and copying the whole output to the host and the rows back (64 windows of
+    whisper-base in float16: 98 MB each way) cost more than the decode of those rows.
+    CTranslate2's ``encode`` synchronises its stream before it returns, so the output is
+    complete when torch reads it."""
     import ctranslate2
     import numpy as np
 
     if idx == list(range(encoder_output.shape[0])):
         return encoder_output
     if encoder_output.device != "cpu":
-        encoder_output = encoder_output.to_device(ctranslate2.Device.cpu)
+        return _device_rows(encoder_output, idx)
     return ctranslate2.StorageView.from_array(np.ascontiguousarray(np.asarray(encoder_output)[idx]))
+
+
+def _device_rows(encoder_output: Any, idx: list[int]) -> Any:
+    import ctranslate2
+    import torch
+
+    from app.engine.mel import side_stream
+
+    device = f"cuda:{encoder_output.device_index}"
+    stream = side_stream(device)
+    with torch.inference_mode(), torch.cuda.stream(stream):
+        whole = torch.as_tensor(encoder_output, device=device)
+        rows = whole.index_select(0, torch.tensor(idx, device=device)).contiguous()
+    stream.synchronize()
+    return ctranslate2.StorageView.from_array(rows)  # the view keeps ``rows`` alive

@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from app.engine.decoding import batch_rows, detected
-from app.engine.mel import batch_features
+from app.engine.mel import encoder_input
 from app.windows import N_SAMPLES, SAMPLE_RATE, TOKENS_PER_SECOND, Window
 
 Languages = list[tuple[str, float | None]]
@@ -23,7 +23,7 @@ DETECT_SURE = 0.5  # still less sure than this: asked again at 30 s (see languag
 
 
 class LanguageDetector:
-    """Language detection on the engine's model (whisperx's WhisperModel) and device."""
+    """Language detection on the engine's model (faster-whisper's WhisperModel) and device."""
 
     def __init__(self, model: Any, device: str, n_mels: int, mel_device: str) -> None:
         self._model = model
@@ -105,6 +105,7 @@ class LanguageDetector:
 
     def _detect_full(self, windows: Sequence[Window]) -> list[tuple[str, float]]:
         """Detection on the windows padded to 30 s (Whisper's own input)."""
-        feats = batch_features([w.audio for w in windows], N_SAMPLES, self.n_mels,
-                               self._mel_device)
-        return [detected(d) for d in self._model.model.detect_language(self._model.encode(feats))]
+        feats = encoder_input([w.audio for w in windows], N_SAMPLES, self.n_mels,
+                              self._mel_device)
+        encoded = self._model.model.encode(feats)
+        return [detected(d) for d in self._model.model.detect_language(encoded)]

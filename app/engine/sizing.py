@@ -83,7 +83,14 @@ def units_per_batch(budget: int | None, unit: int | None, workers: int,
 
 def resolve_batcher(settings: BatcherSettings, sizings: list[EngineSizing]) -> BatcherSettings:
     """The batcher's settings with the GPU cap filled in: the smallest engine's verified batch
-    (an explicit ``max_batch_size`` stays an upper bound); windows x beam likewise."""
+    (an explicit ``max_batch_size`` stays an upper bound); windows x beam likewise.
+
+    The per-job ledger is re-derived too. Its defaults (``window_memory_mb`` 100, and
+    ``job_memory_mb`` 300 for one job's windows in engine calls) are CPU figures: left as they
+    are, one long upload alone on a GPU would hold ~3 windows in flight and run batches of 1
+    per worker while the sizing allowed a hundred. On a GPU a window costs the warm-up's
+    measured ``unit_bytes``, and one job may fill every worker's batch: the sizing already
+    keeps each batch within the device's budget, so a job cap below that only idles it."""
     verified = [s.verified for s in sizings if s.verified]
     if not verified:
         return settings  # CPU: as configured (measured there: see the README)
@@ -91,10 +98,20 @@ def resolve_batcher(settings: BatcherSettings, sizings: list[EngineSizing]) -> B
     if "max_batch_size" in settings.model_fields_set:
         cap = min(cap, settings.max_batch_size)
     beams = settings.max_batch_beams or cap
-    # The GPU budget replaces the CPU one (RSS-based, windows in flight): a batch's share is
-    # fixed per worker, so nothing is left to count in flight.
-    return settings.model_copy(update={"max_batch_size": cap, "max_batch_beams": beams,
-                                       "memory_budget_mb": 0})
+    update: dict[str, Any] = {"max_batch_size": cap, "max_batch_beams": beams,
+                              # The GPU budget replaces the CPU one (RSS-based, windows in
+                              # flight): a batch's share is fixed per worker, so nothing is left
+                              # to count in flight.
+                              "memory_budget_mb": 0}
+    units = [s.unit_bytes for s in sizings if s.verified and s.unit_bytes]
+    window_mb = explicit(settings, "window_memory_mb")
+    if window_mb is None and units:
+        window_mb = update["window_memory_mb"] = max(units) / MiB
+    if explicit(settings, "job_memory_mb") is None:
+        workers = sum(s.workers for s in sizings if s.verified)
+        # Half a window over cap per worker: float sums of cap windows never fall just short.
+        update["job_memory_mb"] = (window_mb or settings.window_memory_mb) * (cap + 0.5) * workers
+    return settings.model_copy(update=update)
 
 
 def explicit(settings: BatcherSettings, field: str) -> Any:

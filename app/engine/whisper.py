@@ -1,4 +1,4 @@
-"""whisperx's batched ``WhisperModel`` on CTranslate2: the resident model behind the engine seam.
+"""faster-whisper's ``WhisperModel`` on CTranslate2, batched: the resident model behind the engine seam.
 
 CTranslate2 runs ``num_workers`` batches concurrently, one per dedicated thread (see
 :class:`app.engine.placement.EngineRunner`). One call: mel for the batch (one torch op), the
@@ -33,7 +33,7 @@ from app.engine.decoding import (
 )
 from app.engine.device import resolve_compute_type, resolve_device, torch_device
 from app.engine.language import LanguageDetector, Languages
-from app.engine.mel import batch_features
+from app.engine.mel import encoder_input
 from app.windows import (
     N_SAMPLES,
     PAD_STEP_S,
@@ -69,11 +69,16 @@ def size_class(settings: ModelSettings, device: str) -> Callable[[Window], int] 
 
 
 class WhisperEngine:
-    """whisperx's batched WhisperModel, one resident copy, ``num_workers`` concurrent batches."""
+    """One resident WhisperModel, ``num_workers`` concurrent batches."""
 
     def __init__(self, model_path: str, settings: ModelSettings, model_name: str) -> None:
         import torch
-        from whisperx.asr import WhisperModel
+
+        # faster-whisper's class, not whisperx's subclass: the engine uses only what the base
+        # defines (encode, the CTranslate2 model, tokenizer, prompts). whisperx.asr imports
+        # transformers and pyannote.audio: 10.5 s against 0.3 s here (cold), and pyannote's
+        # torchcodec warns that it finds no FFmpeg; a GPU image need not carry either.
+        from faster_whisper import WhisperModel
 
         # Mel is computed with torch; keep its pool small so it never fights CTranslate2's.
         torch.set_num_threads(settings.torch_threads)
@@ -203,8 +208,8 @@ class WhisperEngine:
     # ---- the model calls --------------------------------------------------------------------
     def _encode(self, windows: Sequence[Window], n: int,
                 languages: Languages | None = None) -> tuple[Any, Languages]:
-        feats = batch_features([w.audio for w in windows], n, self.n_mels, self._mel_device)
-        encoder_output = self.model.encode(feats)
+        feats = encoder_input([w.audio for w in windows], n, self.n_mels, self._mel_device)
+        encoder_output = self.model.model.encode(feats)
         return encoder_output, languages or self._detector.languages(windows, encoder_output, n)
 
     def _decode(self, windows: Sequence[Window], encoder_output: Any, languages: Languages,

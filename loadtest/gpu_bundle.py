@@ -1,0 +1,261 @@
+"""Carry the service to a GPU host that has Python, torch and a driver but no package index.
+
+Such a host (the lent H100/H200 machines this project measures on: Python 3.12, torch built for
+CUDA 13, no CTranslate2, no FastAPI, nothing reachable) takes files in loads of at most 64 MiB a
+call. ``pack`` (here) lays out everything the service and ``scripts/gpu-check`` import that
+the host lacks, the model and the corpus, as numbered parts of at most ``--part-mb``:
+
+* wheels for the host's Python, at the versions installed here (``--no-deps``: the host keeps
+  its own numpy, torch, tokenizers, onnxruntime...);
+* whisperx's package without its 17 MB pyannote VAD checkpoint (the service imports only its
+  mel filters and language table unless the pyannote VAD is chosen);
+* the provisioned model folder, ``model.bin`` cut into chunks;
+* the corpus (``../shared`` does not travel with the working tree);
+* part 1 also holds a tiny random Whisper in CTranslate2's format, so the first call can probe
+  CTranslate2's GPU path (cuBLAS) before the rest has arrived.
+
+``unpack`` (there, stdlib only) moves whatever parts have arrived into ``--stage``, installs the
+wheels not yet installed into ``<stage>/site``, and once every part is there joins and checks
+the model (sha256 against its manifest). ``env`` prints the variables to run with, including
+the cuBLAS route: CTranslate2's wheel dlopens ``libcublas.so.12`` (its CUDA runtime is
+static), and ``<stage>/lib`` gets a ``libcublas.so.12`` link to the host's cuBLAS when the host
+has only a newer one (``--cublas``).
+
+    python -m loadtest.gpu_bundle pack --out .gpu          # here
+    python3 -m loadtest.gpu_bundle unpack --bundle .gpu    # there, after each call's part
+    eval "$(python3 -m loadtest.gpu_bundle env --bundle .gpu)"
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+from importlib import metadata
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+# What the service, the client side of gpu-check and their imports need beyond the GPU image
+# (its package list: /work/.library/device/KINDS.md), found by importing the running service
+# and listing sys.modules' distributions.
+WHEELS = (
+    "ctranslate2", "faster-whisper", "av", "fastapi", "starlette", "pydantic", "pydantic_core",
+    "pydantic-settings", "python-dotenv", "typing-inspection", "annotated-doc", "annotated-types",
+    "opentelemetry-api", "uvicorn", "httptools", "python-multipart", "SQLAlchemy", "greenlet",
+    "alembic", "Mako", "srt", "jiwer", "RapidFuzz", "whisper-normalizer", "more-itertools",
+)
+FIRST = ("ctranslate2",)  # part 1: what the first probe needs
+PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
+             "manylinux_2_27_x86_64", "manylinux_2_24_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64")
+CHUNK = 8 << 20
+
+
+def sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+# ---- pack (here) ------------------------------------------------------------------------------
+def download_wheels(dest: Path, python: str) -> list[Path]:
+    """Each of :data:`WHEELS` at the version installed here, built for the host's Python; a
+    project that publishes only a source archive (srt) is built into a wheel here (pure)."""
+    dest.mkdir(parents=True, exist_ok=True)
+    plat = [a for p in PLATFORMS for a in ("--platform", p)]
+    pip = [sys.executable, "-m", "pip"]
+    for name in WHEELS:
+        pin = f"{name}=={metadata.version(name)}"
+        got = subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:",
+                              "--python-version", python, "--implementation", "cp", *plat,
+                              "-d", str(dest), pin], capture_output=True)
+        if got.returncode:
+            subprocess.run([*pip, "wheel", "-q", "--no-deps", "-w", str(dest), pin], check=True,
+                           capture_output=True)
+    return sorted(dest.glob("*.whl"))
+
+
+def tiny_model(dest: Path, tokenizer: Path) -> None:
+    """A 2-layer random Whisper (d_model 64) in CTranslate2's format: GEMMs, the conv front
+    end and a decoder, enough to tell whether CTranslate2 runs on the GPU at all."""
+    from ctranslate2.converters import TransformersConverter
+    from transformers import WhisperConfig, WhisperForConditionalGeneration
+
+    hf = dest.parent / (dest.name + "-hf")
+    cfg = WhisperConfig(d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                        decoder_attention_heads=2, encoder_ffn_dim=128, decoder_ffn_dim=128)
+    WhisperForConditionalGeneration(cfg).save_pretrained(hf)
+    shutil.copy(tokenizer, hf / "tokenizer.json")
+    TransformersConverter(str(hf)).convert(str(dest), quantization="float16", force=True)
+    shutil.rmtree(hf)
+
+
+def pack(out: Path, model_dir: Path, corpus: Path, python: str, part_mb: int) -> None:
+    src = out / "src"
+    if src.exists():
+        shutil.rmtree(src)
+    wheels = download_wheels(src / "wheels", python)
+    dist = metadata.distribution("whisperx")
+    shutil.copytree(Path(str(dist.locate_file("whisperx"))), src / "py" / "whisperx",
+                    ignore=shutil.ignore_patterns("pytorch_model.bin", "__pycache__"))
+    info = Path(str(dist._path))  # type: ignore[attr-defined]  # its .dist-info: the version
+    shutil.copytree(info, src / "py" / info.name)
+    (src / "REVISION").write_text(revision())
+    model = src / "home" / "models" / model_dir.name
+    model.mkdir(parents=True)
+    for f in model_dir.iterdir():
+        if f.name != "model.bin":
+            shutil.copy(f, model / f.name)
+    with (model_dir / "model.bin").open("rb") as weights:
+        for k, block in enumerate(iter(lambda: weights.read(CHUNK), b"")):
+            (model / f"model.bin.chunk{k:03d}").write_bytes(block)
+    shutil.copytree(corpus, src / "corpus")
+    tiny_model(src / "probe-model", model_dir / "tokenizer.json")
+    files = sorted(p for p in src.rglob("*") if p.is_file())
+    first = [p for p in files if p in wheels and p.name.split("-")[0].lower() in FIRST]
+    first += [p for p in files if {"probe-model", "py"} & set(p.relative_to(src).parts[:1])]
+    files = first + [p for p in files if p not in first]
+    parts: list[list[Path]] = [[]]
+    size = 0
+    for p in files:
+        n = p.stat().st_size
+        if parts[-1] and size + n > part_mb << 20:
+            parts.append([])
+            size = 0
+        parts[-1].append(p)
+        size += n
+    for old in out.glob("p[0-9]*"):
+        shutil.rmtree(old)
+    for k, members in enumerate(parts, 1):
+        part = out / f"p{k}"
+        listing = {}
+        for p in members:
+            rel = p.relative_to(src)
+            (part / rel).parent.mkdir(parents=True, exist_ok=True)
+            os.link(p, part / rel)
+            listing[str(rel)] = sha256(p)
+        (part / "PART.json").write_text(json.dumps(
+            {"part": k, "parts": len(parts), "files": listing,
+             "model": f"home/models/{model_dir.name}"}, indent=0))
+        mb = sum(p.stat().st_size for p in members) / 2**20
+        print(f"{part}: {len(members)} files, {mb:.1f} MiB")
+
+
+def revision() -> str:
+    """The commit the parts were packed from, ``-dirty`` if tracked files differ from it."""
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True).stdout
+    return git("rev-parse", "--short", "HEAD").strip() + (
+        "-dirty" if git("status", "--porcelain", "--untracked-files=no").strip() else "")
+
+
+# ---- unpack (there; stdlib only) --------------------------------------------------------------
+def unpack(bundle: Path) -> int:
+    stage = bundle / "stage"
+    stage.mkdir(parents=True, exist_ok=True)
+    seen = json.loads((stage / "seen.json").read_text()) if (stage / "seen.json").exists() else {}
+    for part in sorted(bundle.glob("p[0-9]*")):
+        meta = json.loads((part / "PART.json").read_text())
+        for rel, digest in meta["files"].items():
+            dest = stage / rel
+            if not (part / rel).exists():
+                continue  # moved by an earlier unpack
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.move(str(part / rel), dest)
+            if sha256(dest) != digest:
+                raise SystemExit(f"unpack: {rel}: sha256 mismatch")
+        seen[str(meta["part"])] = meta
+    (stage / "seen.json").write_text(json.dumps(seen))
+    installed = stage / "installed.txt"
+    done = set(installed.read_text().split()) if installed.exists() else set()
+    new = [w for w in sorted((stage / "wheels").glob("*.whl")) if w.name not in done]
+    if new:
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                        "--no-compile", "--no-cache-dir", "--upgrade", "--target",
+                        str(stage / "site"), *map(str, new)], check=True)
+        installed.write_text("\n".join(sorted(done | {w.name for w in new})))
+    total = max((m["parts"] for m in seen.values()), default=0)
+    missing = [k for k in range(1, total + 1) if str(k) not in seen]
+    print(f"unpack: parts {sorted(map(int, seen))} of {total}; installed {len(new)} wheels")
+    if missing:
+        return 0
+    model = stage / next(iter(seen.values()))["model"]
+    chunks = sorted(model.glob("model.bin.chunk*"))
+    if chunks:
+        with (model / "model.bin").open("wb") as f:
+            for c in chunks:
+                f.write(c.read_bytes())
+                c.unlink()
+    manifest = json.loads((model / "manifest.json").read_text())
+    digests = manifest.get("sha256") or {k: v.get("sha256") for k, v in
+                                         manifest.get("files", {}).items()}
+    want = digests.get("model.bin")
+    if want and sha256(model / "model.bin") != want:
+        raise SystemExit("unpack: model.bin does not match its manifest")
+    print(f"unpack: complete; model at {model}")
+    return 0
+
+
+def cublas12(stage: Path) -> str | None:
+    """A directory holding ``libcublas.so.12`` for CTranslate2's dlopen: the host's own cuBLAS
+    12 if it has one, else a link to its newer cuBLAS under that name (the nine cuBLAS entry
+    points CTranslate2 resolves kept their signatures in cuBLAS 13)."""
+    roots = [Path(p) for p in sys.path if p.endswith("site-packages")]
+    for name in ("libcublas.so.12", "libcublas.so.13"):
+        for root in roots:
+            found = sorted(glob.glob(str(root / "nvidia" / "**" / name), recursive=True))
+            if found:
+                if name.endswith(".12"):
+                    return str(Path(found[0]).parent)
+                lib = stage / "lib"
+                lib.mkdir(parents=True, exist_ok=True)
+                link = lib / "libcublas.so.12"
+                if link.is_symlink() or link.exists():
+                    link.unlink()
+                link.symlink_to(found[0])
+                return f"{lib}:{Path(found[0]).parent}"
+    return None
+
+
+def env(bundle: Path) -> None:
+    stage = (bundle / "stage").resolve()
+    lib = cublas12(stage)
+    paths = [str(stage / "site"), str(stage / "py"), str(ROOT)]
+    ld = [p for p in (lib, os.environ.get("LD_LIBRARY_PATH")) if p]
+    print(f"export PYTHONPATH={':'.join(paths)}")
+    print(f"export LD_LIBRARY_PATH={':'.join(ld)}")
+    print(f"export BATCHSCRIBE_HOME={stage / 'home'} HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false")
+    print(f"export GPU_BUNDLE_CORPUS={stage / 'corpus'} GPU_BUNDLE_PROBE={stage / 'probe-model'}")
+    if (stage / "REVISION").exists():
+        print(f"export BATCHSCRIBE_GIT_REVISION={(stage / 'REVISION').read_text().strip()}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("command", choices=("pack", "unpack", "env"))
+    ap.add_argument("--bundle", "--out", dest="bundle", type=Path, default=ROOT / ".gpu")
+    ap.add_argument("--model-dir", type=Path,
+                    default=Path(os.environ.get("BATCHSCRIBE_HOME", Path.home() / ".cache" /
+                                                "batchscribe")) / "models" / "whisper-base")
+    ap.add_argument("--corpus", type=Path, default=ROOT.parent / "shared" / "corpus")
+    ap.add_argument("--python", default="3.12", help="the host's Python version")
+    ap.add_argument("--part-mb", type=int, default=58, help="MiB per part (a call carries 64)")
+    args = ap.parse_args(argv)
+    if args.command == "pack":
+        pack(args.bundle, args.model_dir, args.corpus, args.python, args.part_mb)
+    elif args.command == "unpack":
+        return unpack(args.bundle)
+    else:
+        env(args.bundle)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
