@@ -217,8 +217,11 @@ def machine_info() -> dict[str, Any]:
 
 
 def git_revision() -> str | None:
-    """``<short sha>`` or ``<short sha>-dirty``; where the tree travelled without its .git (a
-    lent GPU host), the revision ``loadtest.gpu_bundle pack`` recorded from the committed tree."""
+    """``<short sha>`` or ``<short sha>-dirty``; on a lent GPU host, the revision
+    ``loadtest.gpu_bundle pack`` recorded from the committed tree (the .git that travels there
+    is the session's first checkout, not the tree that ran: seen on the H200 run)."""
+    if os.environ.get("BATCHSCRIBE_GIT_REVISION"):
+        return os.environ["BATCHSCRIBE_GIT_REVISION"]
     try:
         rev = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                              text=True, timeout=10).stdout.strip()
@@ -226,9 +229,7 @@ def git_revision() -> str | None:
                                capture_output=True, text=True, timeout=10).stdout.strip()
     except (OSError, subprocess.SubprocessError):
         rev, dirty = "", ""
-    if not rev:
-        return os.environ.get("BATCHSCRIBE_GIT_REVISION") or None
-    return rev + ("-dirty" if dirty else "")
+    return (rev + ("-dirty" if dirty else "")) or None
 
 
 def resolve_model(name: str) -> str:

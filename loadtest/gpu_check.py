@@ -18,6 +18,8 @@ of torch, the cuBLAS file the service actually mapped, CTranslate2 and torch ver
 3. ``long_alone``: one long upload (the corpus concatenated, ``--long-min`` minutes) on an idle
    service: the batch sizes one job reaches against the sized cap;
 4. ``long_beside_short``: that upload and the corpus at once (latency of both, batch sizes);
+   ``saturate``: ``--saturate`` copies of it at once, each its own job: the service's rate
+   when the engine, not one upload's chunk-by-chunk prep, is the limit;
 5. ``bare_encode``, last, with the service stopped: CTranslate2's encoder alone (a child
    process) at Whisper's 30 s and at 10 s, at several batch sizes (and, on GPU, with its flash
    attention): the device's own rate and its allocator's peak.
@@ -161,6 +163,18 @@ def long_and(long: Clip, clips: list[Clip],
     return run
 
 
+def many_long(long: Clip, n: int) -> Callable[[Client], Awaitable[list[Result]]]:
+    """``n`` copies of the long upload at once: prep runs on as many threads, so the engine,
+    not one job's chunk-by-chunk prep, is what limits (each copy is its own job)."""
+    async def run(client: Client) -> list[Result]:
+        blob = Path(long.path).read_bytes()
+        copies = [Clip(f"long-{k}", long.path, long.duration_s, "", "long") for k in range(n)]
+        for c in copies:
+            client.blobs[c.id] = blob
+        return list(await asyncio.gather(*(client.transcribe(c) for c in copies)))
+    return run
+
+
 def forced_oom(srv: Server, clips: list[Clip], long: Clip, args: argparse.Namespace) -> dict[str, Any]:
     """A real OOM: another process holds the memory, then lets go; the service must recover."""
     hog = VramHog(int(args.oom_keep_gb * 2**30)).start()
@@ -212,8 +226,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=32, help="requests in flight")
     ap.add_argument("--long-min", type=float, default=None,
                     help="the long upload's minutes (default: 60 on GPU, 10 on CPU)")
-    ap.add_argument("--oom-keep-gb", type=float, default=2.0,
-                    help="GPU memory left free by the side process in forced_oom")
+    ap.add_argument("--oom-keep-gb", type=float, default=0.15,
+                    help="GPU memory left free by the side process in forced_oom (whisper-base: "
+                         "~35-45 MB per 30 s window in a batch)")
+    ap.add_argument("--saturate", type=int, default=None,
+                    help="copies of the long upload at once in the saturate step (default: 16 "
+                         "on GPU, 2 on CPU)")
     ap.add_argument("--bare-batches", default=None)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--work", type=Path, default=Path("/tmp/batchscribe-gpu-check"))
@@ -258,6 +276,8 @@ def main(argv: list[str] | None = None) -> int:
                                                        long_and(long, [], args.concurrency))))
         report.step("long_beside_short", lambda: run(measured(
             srv, clips, None, long_and(long, clips, args.concurrency))))
+        copies = args.saturate or (16 if args.device == "cuda" else 2)
+        report.step("saturate", lambda: run(measured(srv, clips, None, many_long(long, copies))))
     finally:
         srv.stop()
         report.data["server_log_tail"] = srv.log_tail(3000)

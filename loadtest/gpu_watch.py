@@ -113,6 +113,7 @@ HOG = r"""
 import sys, torch, pynvml
 pynvml.nvmlInit()
 h = pynvml.nvmlDeviceGetHandleByIndex(0)
+torch.zeros(1, device="cuda:0")  # this process's own CUDA context first, then what is free
 free = pynvml.nvmlDeviceGetMemoryInfo(h).free
 take = max(0, free - int(sys.argv[1]))
 x = torch.empty(take, dtype=torch.uint8, device="cuda:0")
