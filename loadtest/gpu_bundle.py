@@ -48,6 +48,7 @@ WHEELS = (
     "pydantic-settings", "python-dotenv", "typing-inspection", "annotated-doc", "annotated-types",
     "opentelemetry-api", "uvicorn", "httptools", "python-multipart", "SQLAlchemy", "greenlet",
     "alembic", "Mako", "srt", "jiwer", "RapidFuzz", "whisper-normalizer", "more-itertools",
+    "py-spy",  # gpu-check samples the service's threads while it is saturated
 )
 FIRST = ("ctranslate2",)  # part 1: what the first probe needs
 PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",

@@ -22,7 +22,8 @@ of torch, the cuBLAS file the service actually mapped, CTranslate2 and torch ver
    when the engine, not one upload's chunk-by-chunk prep, is the limit;
 5. ``bare_encode``, last, with the service stopped: CTranslate2's encoder alone (a child
    process) at Whisper's 30 s and at 10 s, at several batch sizes (and, on GPU, with its flash
-   attention): the device's own rate and its allocator's peak.
+   attention): the device's own rate and its allocator's peak; ``engine_limit``: the service's
+   engine on the corpus's own windows with no HTTP, prep or batcher (``loadtest.offline``).
 
 Per step: failures, WER (read speech and the rest), throughput (audio s / wall s), latency
 (p50, p95, max, from the moment each request was posted), mean batch size and distribution, GPU
@@ -164,15 +165,60 @@ def long_and(long: Clip, clips: list[Clip],
 
 
 def many_long(long: Clip, n: int) -> Callable[[Client], Awaitable[list[Result]]]:
-    """``n`` copies of the long upload at once: prep runs on as many threads, so the engine,
-    not one job's chunk-by-chunk prep, is what limits (each copy is its own job)."""
+    """``n`` copies of a long upload at once: prep runs on as many threads, so the engine,
+    not one job's chunk-by-chunk prep, should be what limits (each copy is its own job). A
+    429 (the backlog limit) is retried after its ``retry_after_s``, as a client would."""
+    async def one(client: Client, clip: Clip) -> Result:
+        while True:
+            r = await client.transcribe(clip)
+            if r.status != 429:
+                return r
+            try:
+                wait = float(json.loads(r.error or "{}")["error"]["retry_after_s"])
+            except (ValueError, KeyError, TypeError):
+                wait = 1.0
+            await asyncio.sleep(wait)
+
     async def run(client: Client) -> list[Result]:
         blob = Path(long.path).read_bytes()
         copies = [Clip(f"long-{k}", long.path, long.duration_s, "", "long") for k in range(n)]
         for c in copies:
             client.blobs[c.id] = blob
-        return list(await asyncio.gather(*(client.transcribe(c) for c in copies)))
+        return list(await asyncio.gather(*(one(client, c) for c in copies)))
     return run
+
+
+def profiled(srv: Server, out: Path, seconds: float) -> subprocess.Popen[bytes] | None:
+    """py-spy sampling the service's threads (collapsed stacks, GIL holders marked), if there."""
+    import shutil
+
+    spy = shutil.which("py-spy") or next((str(p) for p in (
+        Path(sys.executable).parent / "py-spy", *[Path(x) / "bin" / "py-spy" for x in sys.path])
+        if p.is_file()), None)
+    if spy is None or srv.proc is None:
+        return None
+    return subprocess.Popen([spy, "record", "--pid", str(srv.proc.pid), "--duration",
+                             str(int(seconds)), "--rate", "50", "--format", "raw", "--threads",
+                             "--nonblocking", "--output", str(out)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+
+
+def engine_limit(args: argparse.Namespace, clips: list[Clip], compute_type: str) -> dict[str, Any]:
+    """The engine alone on the service's own windows (``loadtest.offline engine``): no HTTP,
+    prep or batcher, so the gap to the service's rate is the rest of the pipeline."""
+    from loadtest.common import save_clips
+
+    path = args.work / "clips.json"
+    save_clips(clips, path)
+    out = args.work / "engine.json"
+    cmd = [sys.executable, "-m", "loadtest.offline", "engine", "--clips", str(path), "--model",
+           args.model_dir, "--device", args.device, "--compute-type", compute_type, "--language",
+           "en", "--batches", "8,32,128" if args.device == "cuda" else "8", "--min-seconds",
+           "3", "--time-axis", "full" if args.device == "cuda" else "dynamic", "--out", str(out)]
+    got = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
+    if not out.exists():
+        return {"error": f"exit {got.returncode}: {got.stderr[-1500:]}"}
+    return dict(json.loads(out.read_text()))
 
 
 def forced_oom(srv: Server, clips: list[Clip], long: Clip, args: argparse.Namespace) -> dict[str, Any]:
@@ -230,8 +276,11 @@ def main(argv: list[str] | None = None) -> int:
                     help="GPU memory left free by the side process in forced_oom (whisper-base: "
                          "~35-45 MB per 30 s window in a batch)")
     ap.add_argument("--saturate", type=int, default=None,
-                    help="copies of the long upload at once in the saturate step (default: 16 "
-                         "on GPU, 2 on CPU)")
+                    help="copies of an upload at once in the saturate step (default: 16 on "
+                         "GPU, 2 on CPU)")
+    ap.add_argument("--saturate-min", type=float, default=None,
+                    help="that upload's minutes (default: 20 on GPU, 2 on CPU; the service "
+                         "queues at most max_backlog_s of audio, 6 h by default)")
     ap.add_argument("--bare-batches", default=None)
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--work", type=Path, default=Path("/tmp/batchscribe-gpu-check"))
@@ -277,7 +326,13 @@ def main(argv: list[str] | None = None) -> int:
         report.step("long_beside_short", lambda: run(measured(
             srv, clips, None, long_and(long, clips, args.concurrency))))
         copies = args.saturate or (16 if args.device == "cuda" else 2)
-        report.step("saturate", lambda: run(measured(srv, clips, None, many_long(long, copies))))
+        minutes = args.saturate_min or (20.0 if args.device == "cuda" else 2.0)
+        part = Clip("part", str(args.work / "part.wav"),
+                    write_long_wav(clips, args.work / "part.wav", minutes * 60), "", "long")
+        spy = profiled(srv, out_path.parent / "service-profile.txt", 15)
+        report.step("saturate", lambda: run(measured(srv, clips, None, many_long(part, copies))))
+        if spy is not None:
+            spy.wait(60)
     finally:
         srv.stop()
         report.data["server_log_tail"] = srv.log_tail(3000)
@@ -286,6 +341,7 @@ def main(argv: list[str] | None = None) -> int:
     compute_type = report.data.get("service", {}).get("readyz", {}).get("compute_type") or (
         "float16" if args.device == "cuda" else "int8")
     report.step("bare_encode", lambda: bare_encode(args, compute_type))
+    report.step("engine_limit", lambda: engine_limit(args, clips, compute_type))
     print(f"gpu-check: wrote {out_path} ({report.data['minutes']} min)")
     return 0
 

@@ -167,7 +167,7 @@ def cmd_engine(args: argparse.Namespace) -> dict[str, Any]:
     windows = cut_corpus(clips, Path(args.cache) if args.cache else None)
     window_audio = sum(w.window.duration for w in windows)
     opts = DecodeOptions(beam_size=args.beam_size)
-    settings = ModelSettings(device="cpu", compute_type=args.compute_type,
+    settings = ModelSettings(device=args.device, compute_type=args.compute_type,
                              num_workers=args.workers, cpu_threads=args.threads,
                              time_axis=args.time_axis)
 
@@ -252,6 +252,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="also transcribe the read-speech clips at faster-whisper's defaults")
     e = sub.choices["engine"]
     e.add_argument("--engines", type=int, default=1, help="resident model copies")
+    e.add_argument("--device", default="cpu", help="cpu or cuda (scripts/gpu-check)")
     e.add_argument("--workers", type=int, default=2, help="CTranslate2 workers per engine")
     e.add_argument("--threads", type=int, default=1)
     e.add_argument("--batches", default="8,16")
