@@ -47,7 +47,14 @@ CODEC_PREFIXES = ("pcm_", "adpcm_")
 MAX_RATE = 384_000
 MAX_CHANNELS = 8
 RIFF_IDS = (b"RIFF", b"RF64", b"BW64")  # a WAV starts with one, then its size, then b"WAVE"
-SMALL_PROBE = {"probesize": "4096"}
+# WAV: a 4 KB probe (see open_audio), and packets of 256 KB instead of the wav demuxer's
+# 4096-byte default. Every packet costs a demux, decode, frame and resample step in Python under
+# the GIL: a 16 kHz mono WAV came in 2048-byte packets, and on the H200 run (16 prep threads,
+# 16 twenty-minute WAV uploads at once: loadtest/results/gpu-h200.json) the prep threads spent
+# 56 % of their samples in that per-packet loop and 15 % resampling, while the GPU was busy 29 %
+# of the time. Decoding a 20-minute WAV here: 3,100x real time with 2 KB packets, 36,900x with
+# 256 KB ones (8 s of 16 kHz mono; 1.4 s of 48 kHz stereo).
+SMALL_PROBE = {"probesize": "4096", "max_size": "262144"}
 
 
 @dataclass(frozen=True)
