@@ -16,7 +16,7 @@ import os
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,33 +48,10 @@ from models.ct2file import read_facts
 from models.provision import bake, provision_local, verify
 from models.registry import ModelUnavailable, check_folder, resolve
 from tests.conftest import ROOT
-from tests.fakegpu import OOM_TEXTS, STICKY_TEXT, FakeDevice, FakeGpu, MeterEngine, install
+from tests.fakegpu import OOM_TEXTS, STICKY_TEXT, MeterEngine
 from tests.fakes import FakeEngine
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def gpu_patch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """Installs a fake GPU for one test; everything it patched is put back afterwards."""
-    import ctranslate2
-
-    monkeypatch.setattr(ctranslate2.models, "Whisper", ctranslate2.models.Whisper)
-    monkeypatch.setattr(ctranslate2, "get_cuda_device_count", ctranslate2.get_cuda_device_count)
-    monkeypatch.setattr(ctranslate2, "get_supported_compute_types",
-                        ctranslate2.get_supported_compute_types)
-    monkeypatch.setitem(sys.modules, "pynvml", sys.modules.get("pynvml"))
-    monkeypatch.setattr(gpumem, "_meter", None)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-
-    def make(totals_mb: Sequence[int] = (4096,), **kw: Any) -> FakeGpu:
-        devices = [FakeDevice(k, t * MiB, 300 * MiB) for k, t in enumerate(totals_mb)]
-        gpu = FakeGpu(devices=devices, decode_bytes=kw.pop("decode_mb", 150) * MiB,
-                      encode_bytes=kw.pop("encode_mb", 50) * MiB,
-                      align_bytes=kw.pop("align_mb", 20) * MiB, **kw)
-        return install(gpu)
-
-    yield make
 
 
 def expected_units(total_mb: int, weights_mb: int, unit_mb: int, workers: int = 2,
