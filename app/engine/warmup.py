@@ -13,8 +13,9 @@ per engine, on its thread and device, before the service accepts work:
    on out of memory until it fits (and on the device error a starved card also raises, until
    one window shows which it was: app/engine/device.may_be_oom).
 
-Anything else that fails stops the start with the library's own message (the service exits;
-the orchestrator shows why). On CPU only the probe runs, one window: the CPU path's cap is the
+Anything else that fails leaves that engine out with the library's own message, and with no
+engine left the start is refused with it (app/engine/startup.py: the service exits; the
+orchestrator shows why). On CPU only the probe runs, one window: the CPU path's cap is the
 one measured on CPU (README), and its start stays fast.
 """
 
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -187,9 +187,3 @@ def _verify(engine: Engine, sizing: EngineSizing, settings: Settings, monitor: D
                         "halving", n, sizing.engine, exc)
             n, sizing.oom_steps = max(1, n // 2), sizing.oom_steps + 1
     sizing.verified = n
-
-
-def warm_up_all(engines: Sequence[Engine], settings: Settings, monitor: DeviceMonitor,
-                meter: PoolMeter) -> list[EngineSizing]:
-    """Every engine in turn, each on its own GPU; the first failure stops the start."""
-    return [warm_up(e, settings, monitor, meter) for e in engines]
