@@ -23,7 +23,8 @@ FROM ghcr.io/astral-sh/uv:0.13.9 AS uv
 # libcudnn: tests/test_deploy.py checks), and dlopens "libcublas.so.12" at its first GEMM; the
 # LD_LIBRARY_PATH below points that at torch's nvidia-cublas-cu12, so there is one cuBLAS in
 # the process whatever the import order. The driver comes from the host (NVIDIA Container
-# Toolkit). A cudnn-runtime base added ~3 GB of libraries nothing loaded.
+# Toolkit, or a mount at /usr/local/nvidia: LD_LIBRARY_PATH keeps the base's paths to it). A
+# cudnn-runtime base added ~3 GB of libraries nothing loaded.
 FROM nvidia/cuda:12.8.1-base-ubuntu24.04 AS os-cuda
 # Ubuntu 24.04 renamed the package in the 64-bit time_t transition; the .so path is the same.
 RUN apt-get update \
@@ -103,9 +104,13 @@ COPY --from=model --chown=app:app /models /models
 # HOST=0.0.0.0 serves other machines, so the service refuses to start without API keys: pass
 # -e BATCHSCRIBE_SECURITY__API_KEY_SHA256=<sha256 of each key>, or on purpose (e.g. behind an
 # authenticating proxy) -e BATCHSCRIBE_SECURITY__ALLOW_ANONYMOUS=true. Not anonymous by default.
+# LD_LIBRARY_PATH: torch's cuBLAS, then the base image's value, kept: nvidia/cuda sets
+# /usr/local/nvidia/lib:/usr/local/nvidia/lib64, where GKE-style nodes mount the driver (libcuda,
+# NVML) instead of the Container Toolkit's injection; replaced, CUDA finds no driver there. The
+# cpu base sets none, and ":+" then adds nothing: an empty element would search the working dir.
 ENV PATH=/opt/venv/bin:$PATH \
     VIRTUAL_ENV=/opt/venv \
-    LD_LIBRARY_PATH=/opt/venv/lib/python3.11/site-packages/nvidia/cublas/lib \
+    LD_LIBRARY_PATH=/opt/venv/lib/python3.11/site-packages/nvidia/cublas/lib${LD_LIBRARY_PATH:+:${LD_LIBRARY_PATH}} \
     PYTHONUNBUFFERED=1 \
     PYTHONDONTWRITEBYTECODE=1 \
     LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4 \

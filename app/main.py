@@ -12,7 +12,7 @@ import gc
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
@@ -28,13 +28,12 @@ from app.audio.vad import make_vad
 from app.batching.batcher import Batcher
 from app.batching.stages import Stages
 from app.config import Settings
-from app.engine import Engine, StagedEngine
+from app.engine import StagedEngine
 from app.engine.device import DeviceMonitor, resolve_device
-from app.engine.gpumem import pool_meter
 from app.engine.loading import REFUSALS, load_whisper
-from app.engine.placement import EnginePool, load_engines, make_pool
-from app.engine.sizing import EngineSizing, resolve_batcher
-from app.engine.warmup import warm_up_all
+from app.engine.placement import EnginePool, make_pool
+from app.engine.sizing import resolve_batcher
+from app.engine.startup import EngineFactory, start_engines
 from app.engine.whisper import size_class
 from app.errors import RetryHints, ServiceError, install_error_handlers
 from app.jobs.blobs import make_blobs
@@ -49,24 +48,7 @@ from app.speakers.service import SpeakerService
 from app.state import AppState
 
 log = logging.getLogger("batchscribe")
-EngineFactory = Callable[[Settings], Engine]
 __all__ = ["create_app", "load_whisper", "setup_logging"]
-
-
-async def start_engines(settings: Settings, factory: EngineFactory,
-                        monitor: DeviceMonitor) -> tuple[list[Engine], list[EngineSizing]]:
-    """Load every engine, then warm each up on its device and size its batches (both blocking,
-    on a worker thread). Raises one of :data:`REFUSALS` when the service cannot run."""
-    engines = await asyncio.to_thread(load_engines, settings, factory)
-    if not settings.model.warmup:
-        return engines, []
-    try:
-        sizings = await asyncio.to_thread(warm_up_all, engines, settings, monitor, pool_meter())
-    except BaseException:
-        for e in engines:
-            e.close()
-        raise
-    return engines, sizings
 
 
 def held_mb(monitor: DeviceMonitor) -> float:
@@ -105,12 +87,13 @@ def create_app(settings: Settings | None = None,
     async def running(app: FastAPI) -> AsyncIterator[None]:
         metrics = Metrics()
         monitor = await asyncio.to_thread(DeviceMonitor, resolve_device(settings.model.device))
-        try:
-            engines, sizings = await start_engines(settings, engine_factory, monitor)
+        try:  # a GPU that fails its load or warm-up is left out (app/engine/startup.py)
+            started = await start_engines(settings, engine_factory, monitor)
         except REFUSALS as exc:
             QuietRefusal.refused = True  # uvicorn's copy of the traceback is dropped
             log.critical("cannot start: %s", exc)
             raise
+        engines, sizings = started.engines, started.sizings
         engine = engines[0]  # model, device and compute type are the same on every engine
         device = engine.info.device if engine.info.device != "auto" else resolve_device("auto")
         vad_kind = settings.model.vad
@@ -135,7 +118,8 @@ def create_app(settings: Settings | None = None,
         spool = blobs.spool_dir
         spool.mkdir(parents=True, exist_ok=True)
         await store.init()
-        runner_engine = make_pool(engines, settings)  # one engine per GPU, least loaded first
+        # One engine per GPU, least loaded first; those that did not start are only reported.
+        runner_engine = make_pool(engines, settings, started.failed)
         if device != monitor.device:  # an injected engine on another device (tests)
             monitor = await asyncio.to_thread(DeviceMonitor, device)
         # GPU: the cap the warm-up measured per engine (the smallest); CPU: as configured.

@@ -28,6 +28,8 @@ Definitions (what the numbers mean):
 * ``device_memory_*_bytes``: per GPU (NVML) used/total; on CPU the container's (cgroup) or the
   host's memory used/total. ``engine_memory_bytes``: what this process holds on that device
   (NVML per-process usage on GPU, resident set size on CPU).
+* ``engine_up``: per engine (``cuda:1``), 1 in rotation, 0 out of it or never started (a GPU that
+  failed its load or warm-up: the service serves on the others; ``/readyz`` gives the error).
 """
 
 from __future__ import annotations
@@ -147,6 +149,12 @@ class Metrics:
             p + "engine_memory_bytes",
             "Memory this process (the resident model) holds on the device: NVML per-process "
             "usage on GPU, resident set size on CPU.", ["device"], registry=r,
+        )
+        self.engine_up = Gauge(
+            p + "engine_up",
+            "1 while the engine serves, 0 while it is out of rotation or if it failed to start "
+            "(its GPU failed the load or the warm-up; /readyz gives the error).", ["engine"],
+            registry=r,
         )
         self.model_info = Info(p + "model", "The resident model.", registry=r)
         self.http_requests = Counter(

@@ -85,3 +85,5 @@ class AppState:
         m.pending_windows.set(self.batcher.pending())
         m.engine_call_age.set(self.batcher.oldest_call_s())
         m.record_memory(self.monitor.read())
+        for engine in self.engine.status():
+            m.engine_up.labels(engine["engine"]).set(1 if engine["in_rotation"] else 0)

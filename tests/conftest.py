@@ -1,4 +1,5 @@
-"""Shared fixtures: the corpus, a real service process on the real model, a fake engine."""
+"""Shared fixtures: the corpus, a real service process on the real model, a fake engine, a fake
+GPU."""
 
 from __future__ import annotations
 
@@ -8,17 +9,20 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
 
+import app.engine.gpumem as gpumem
 from app.config import ModelSettings, Settings
 from app.engine.whisper import WhisperEngine
 from loadtest.common import free_port
 from models.registry import resolve
+from tests.fakegpu import FakeDevice, FakeGpu, install
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "corpus"))
@@ -145,3 +149,28 @@ def engine() -> Iterator[WhisperEngine]:
                         ModelSettings(num_workers=1, cpu_threads=2), s.model.name)
     yield eng
     eng.close()
+
+
+@pytest.fixture
+def gpu_patch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
+    """Installs a fake GPU (tests/fakegpu.py) for one test: ``gpu_patch(totals_mb=(4096, 2048))``
+    makes two; everything it patched is put back afterwards."""
+    import ctranslate2
+
+    monkeypatch.setattr(ctranslate2.models, "Whisper", ctranslate2.models.Whisper)
+    monkeypatch.setattr(ctranslate2, "get_cuda_device_count", ctranslate2.get_cuda_device_count)
+    monkeypatch.setattr(ctranslate2, "get_supported_compute_types",
+                        ctranslate2.get_supported_compute_types)
+    monkeypatch.setitem(sys.modules, "pynvml", sys.modules.get("pynvml"))
+    monkeypatch.setattr(gpumem, "_meter", None)
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+    mib = 1 << 20
+
+    def make(totals_mb: Sequence[int] = (4096,), **kw: Any) -> FakeGpu:
+        devices = [FakeDevice(k, t * mib, 300 * mib) for k, t in enumerate(totals_mb)]
+        gpu = FakeGpu(devices=devices, decode_bytes=kw.pop("decode_mb", 150) * mib,
+                      encode_bytes=kw.pop("encode_mb", 50) * mib,
+                      align_bytes=kw.pop("align_mb", 20) * mib, **kw)
+        return install(gpu)
+
+    yield make

@@ -14,10 +14,12 @@ a real GPU (whisperx's WhisperModel, the engine, the warm-up, the sizing, the ba
   another tenant's pressure), what DeviceMonitor and sizing read on a real GPU.
 * :mod:`app.engine.gpumem`'s pool meter: the allocations' current and high-watermark bytes.
 
-Switches: a slow first call per device (CUDA's lazy initialisation), and a control file read
-at every call: ``{"pressure_mb": N}`` (another process takes N MiB: an OOM storm) and
-``{"sticky": true}`` (the next call raises an illegal address, and every call after it, as a
-lost CUDA context does). Events (first call, OOMs raised, sticky) go to a JSON-lines file.
+Switches: a slow first call per device (CUDA's lazy initialisation), a device fault (every call
+on that device raises a device error, e.g. :data:`INVALID_DEVICE_TEXT`: ``FakeDevice.fault``,
+``FAKEGPU_FAULT_DEVICES``), and a control file read at every call: ``{"pressure_mb": N}``
+(another process takes N MiB: an OOM storm) and ``{"sticky": true}`` (the next call raises an
+illegal address, and every call after it, as a lost CUDA context does). Events (first call, OOMs
+raised, sticky, faults) go to a JSON-lines file.
 Configured from ``FAKEGPU_*`` variables by :func:`install_from_env` (tests/fakegpu_app.py).
 """
 
@@ -45,10 +47,22 @@ OOM_TEXTS = (
     "cuBLAS failed with status CUBLAS_STATUS_ALLOC_FAILED",
     # thrust's system_error in CTranslate2's element-wise kernels ("what: category: message")
     "parallel_for failed: cudaErrorMemoryAllocation: out of memory",
-    # the same under memory pressure, measured in homelab-00/TranscriptionSuite#268
-    "parallel_for failed: cudaErrorInvalidDevice: invalid device ordinal",
     # cuDNN 9 via CUDNN_CHECK (cudnn_graph.h status name)
     "cuDNN failed with status CUDNN_STATUS_INTERNAL_ERROR_DEVICE_ALLOCATION_FAILED",
+)
+# What a device that cannot run the call raises, every call (never out of memory: the classifier
+# must not count them as OOM). CTranslate2 4.8's align() on a T4 (OpenNMT/CTranslate2#2064):
+INVALID_DEVICE_TEXT = "parallel_for failed: cudaErrorInvalidDevice: invalid device ordinal"
+DEVICE_ERROR_TEXTS = (
+    INVALID_DEVICE_TEXT,
+    # a wheel without kernels for the card's architecture (thrust, and CTranslate2's CUDA_CHECK)
+    "parallel_for failed: cudaErrorNoKernelImageForDevice: no kernel image is available for "
+    "execution on the device",
+    "CUDA failed with error no kernel image is available for execution on the device",
+    "CUDA failed with error invalid device function",
+    "CUDA failed with error CUDA driver version is insufficient for CUDA runtime version",
+    "CUDA failed with error initialization error",
+    "CUDA error: invalid device ordinal",  # torch's wording
 )
 # cudaErrorIllegalAddress through CTranslate2's CUDA_CHECK: the context is lost for good.
 STICKY_TEXT = "CUDA failed with error an illegal memory access was encountered"
@@ -62,6 +76,7 @@ class FakeDevice:
     allocated: int = 0  # through the pool: weights + calls in flight
     high: int = 0  # the pool's high watermark since the last reset
     sticky: bool = False
+    fault: str | None = None  # every call raises this (a device that cannot run the model)
     calls: int = 0
     active: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -112,6 +127,9 @@ class FakeGpu:
             if dev.sticky:
                 self.event("sticky", device=index, what=what)
                 raise RuntimeError(STICKY_TEXT)
+            if dev.fault and call:
+                self.event("fault", device=index, what=what, text=dev.fault)
+                raise RuntimeError(dev.fault)
             if dev.context + dev.allocated + self.pressure + nbytes > dev.total:
                 text = OOM_TEXTS[self._ooms % len(OOM_TEXTS)]
                 self._ooms += 1
@@ -296,6 +314,8 @@ def install_from_env(env: dict[str, str] | None = None) -> FakeGpu:
         if t.strip() and k < gpus:
             totals[k] = int(float(t) * MiB)
     devices = [FakeDevice(k, totals[k], mb("FAKEGPU_CONTEXT_MB", "300")) for k in range(gpus)]
+    for k in (int(d) for d in e.get("FAKEGPU_FAULT_DEVICES", "").split(",") if d.strip()):
+        devices[k].fault = e.get("FAKEGPU_FAULT_TEXT", INVALID_DEVICE_TEXT)
     types_ = tuple(t for t in e.get("FAKEGPU_COMPUTE_TYPES", "").split(",") if t)
     gpu = FakeGpu(
         devices=devices, decode_bytes=mb("FAKEGPU_DECODE_MB", "100"),

@@ -116,7 +116,6 @@ def test_dockerfile_essentials():
     assert re.search(r"^ARG VARIANT=cuda$", text, re.M)
     # No CUDA libraries from the base: cuBLAS (the only one CTranslate2 dlopens) is torch's wheel.
     assert re.search(r"^FROM nvidia/cuda:12\.8\.1-base-ubuntu24\.04 AS os-cuda$", text, re.M)
-    assert "LD_LIBRARY_PATH=/opt/venv/lib/python3.11/site-packages/nvidia/cublas/lib" in text
     assert "python:3.11-slim-bookworm" in text
     assert "LD_PRELOAD=/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4" in text
     assert "PYTHONUNBUFFERED=1" in text
@@ -126,6 +125,38 @@ def test_dockerfile_essentials():
     assert re.search(r'^CMD \["python", "-m", "app"\]$', text, re.M)
     users = re.findall(r"^USER (\S+)$", text, re.M)
     assert users and users[-1].split(":")[0] not in ("0", "root"), users
+
+
+# What nvidia/cuda base images set (gitlab.com/nvidia/container-images/cuda, dist/*/base/Dockerfile):
+# GKE-style nodes mount the driver's libraries there rather than inject them.
+CUDA_BASE_LD_PATH = "/usr/local/nvidia/lib:/usr/local/nvidia/lib64"
+CUBLAS_DIR = "/opt/venv/lib/python3.11/site-packages/nvidia/cublas/lib"
+
+
+def _expand(value: str, env: dict[str, str]) -> str:
+    """Docker's ENV substitution for the forms the Dockerfile uses: ``${V}``, ``$V`` and
+    ``${V:+word}`` / ``${V:-word}`` (word may hold variables: the innermost go first)."""
+    inner = re.compile(r"\$\{(\w+)(?::([-+])([^${}]*))?\}|\$(\w+)")
+    while (m := inner.search(value)) is not None:
+        name, op, word = m.group(1) or m.group(4), m.group(2), m.group(3)
+        got = env.get(name, "")
+        out = (word if got else "") if op == "+" else (got or word) if op == "-" else got
+        value = value[: m.start()] + out + value[m.end():]
+    return value
+
+
+def test_ld_library_path_keeps_the_base_images_driver_paths():
+    """The runtime's LD_LIBRARY_PATH adds torch's cuBLAS to the base image's value instead of
+    replacing it: on the cuda base the driver's mount points stay searched, and on the cpu base
+    (none set) no empty element appears (an empty element searches the working directory)."""
+    text = (ROOT / "Dockerfile").read_text()
+    runtime = text[text.index("AS runtime"):]
+    [value] = re.findall(r"^\s*(?:ENV\s+)?LD_LIBRARY_PATH=(\S+)", runtime, re.M)
+    assert _expand("a${X:+:${X}}", {"X": "b"}) == "a:b" and _expand("a${X:+:$X}", {}) == "a"
+    for base in ({"LD_LIBRARY_PATH": CUDA_BASE_LD_PATH}, {}):
+        dirs = _expand(value, base).split(":")
+        assert dirs[0] == CUBLAS_DIR and "" not in dirs, (base, dirs)
+        assert dirs[1:] == ([] if not base else CUDA_BASE_LD_PATH.split(":")), (base, dirs)
 
 
 def test_ctranslate2_wheel_needs_cublas_and_no_cudnn():

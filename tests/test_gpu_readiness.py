@@ -16,7 +16,7 @@ import os
 import struct
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,39 +42,17 @@ from app.engine.loading import (
     mel_bins,
 )
 from app.engine.sizing import EngineSizing, budget_bytes, resolve_batcher, unit_bytes, units_per_batch
-from app.engine.warmup import WarmupFailed, warm_up, warm_up_all
+from app.engine.startup import warm_up_engines
+from app.engine.warmup import WarmupFailed, warm_up
 from app.engine.whisper import time_axis
 from models.ct2file import read_facts
 from models.provision import bake, provision_local, verify
 from models.registry import ModelUnavailable, check_folder, resolve
 from tests.conftest import ROOT
-from tests.fakegpu import OOM_TEXTS, STICKY_TEXT, FakeDevice, FakeGpu, MeterEngine, install
+from tests.fakegpu import OOM_TEXTS, STICKY_TEXT, MeterEngine
 from tests.fakes import FakeEngine
 
 MiB = 1 << 20
-
-
-@pytest.fixture
-def gpu_patch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    """Installs a fake GPU for one test; everything it patched is put back afterwards."""
-    import ctranslate2
-
-    monkeypatch.setattr(ctranslate2.models, "Whisper", ctranslate2.models.Whisper)
-    monkeypatch.setattr(ctranslate2, "get_cuda_device_count", ctranslate2.get_cuda_device_count)
-    monkeypatch.setattr(ctranslate2, "get_supported_compute_types",
-                        ctranslate2.get_supported_compute_types)
-    monkeypatch.setitem(sys.modules, "pynvml", sys.modules.get("pynvml"))
-    monkeypatch.setattr(gpumem, "_meter", None)
-    monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
-
-    def make(totals_mb: Sequence[int] = (4096,), **kw: Any) -> FakeGpu:
-        devices = [FakeDevice(k, t * MiB, 300 * MiB) for k, t in enumerate(totals_mb)]
-        gpu = FakeGpu(devices=devices, decode_bytes=kw.pop("decode_mb", 150) * MiB,
-                      encode_bytes=kw.pop("encode_mb", 50) * MiB,
-                      align_bytes=kw.pop("align_mb", 20) * MiB, **kw)
-        return install(gpu)
-
-    yield make
 
 
 def expected_units(total_mb: int, weights_mb: int, unit_mb: int, workers: int = 2,
@@ -300,7 +278,9 @@ def test_batch_cap_counts_beams_and_halves_in_them() -> None:
 def test_warmup_derives_each_engines_cap_from_its_own_gpu(gpu_patch: Any) -> None:
     gpu = gpu_patch(totals_mb=(4096, 2048), weights_bytes=500 * MiB)
     engines = [MeterEngine(gpu, 0), MeterEngine(gpu, 1)]
-    sizings = warm_up_all(engines, Settings(), DeviceMonitor("cuda"), gpumem.pool_meter())
+    started = warm_up_engines(engines, Settings(), DeviceMonitor("cuda"), gpumem.pool_meter())
+    sizings = started.sizings
+    assert started.engines == engines and not started.failed
     # probe: 2 windows x beam 2, encoder output held while the decoder caches grow
     unit = (2 * 50 + 4 * 150) // 4
     want = [expected_units(4096, 500, unit), expected_units(2048, 500, unit)]
@@ -315,8 +295,8 @@ def test_warmup_halves_a_batch_the_device_cannot_hold(gpu_patch: Any) -> None:
     # The encoder's share is larger than the probe (beam 2) suggested for beam 1: the derived
     # batch on both workers at once runs out of memory, and is halved until it fits.
     gpu = gpu_patch(totals_mb=(4096,), decode_mb=100, encode_mb=500, weights_bytes=500 * MiB)
-    [sizing] = warm_up_all([MeterEngine(gpu, meet=2)], Settings(), DeviceMonitor("cuda"),
-                           gpumem.pool_meter())
+    [sizing] = warm_up_engines([MeterEngine(gpu, meet=2)], Settings(), DeviceMonitor("cuda"),
+                               gpumem.pool_meter()).sizings
     assert sizing.unit_bytes == (2 * 500 + 4 * 100) // 4 * MiB  # probe: encoder + decoder caches
     assert sizing.oom_steps >= 1 and sizing.verified is not None and sizing.units is not None
     assert sizing.verified < sizing.units

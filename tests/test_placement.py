@@ -14,10 +14,12 @@ import pytest
 
 from app.batching.batcher import Batcher
 from app.config import BatcherSettings, Settings
-from app.engine.placement import EnginePool, EngineRunner, NoEngineLeft, engine_count, load_engines
+from app.engine.placement import EnginePool, EngineRunner, NoEngineLeft, engine_count
+from app.engine.startup import load_engines
 from app.errors import TranscriptionFailed
 from app.metrics import Metrics
 from app.windows import DecodeOptions, Window
+from models.registry import ModelUnavailable
 from tests.fakes import BOUND, FakeEngine, gather, tag_of, tagged_window
 
 EN = DecodeOptions()
@@ -202,14 +204,17 @@ def test_engine_count_and_loading(monkeypatch: pytest.MonkeyPatch) -> None:
         return FakeEngine()
 
     three = Settings(model={"device": "cpu", "engines": 3})  # type: ignore[arg-type]
-    engines = load_engines(three, factory)
+    engines, failed = load_engines(three, factory)
     assert seen == [0, 1, 2] and len(engines) == 2  # GPU 1 is dead: start on the others
+    assert [(f.engine, f.stage) for f in failed] == [("cpu:1", "load")]
+    assert "no CUDA-capable device" in failed[0].error
 
     def none(s: Settings) -> FakeEngine:
-        raise RuntimeError("model files are corrupt")
+        raise ModelUnavailable("model files are corrupt")
 
-    with pytest.raises(RuntimeError, match="corrupt"):
-        load_engines(three, none)  # the first engine failing is the service failing
+    with pytest.raises(ModelUnavailable, match="corrupt"):
+        load_engines(three, none)  # the model, not a device: the service fails at once
+    # (every engine failing for its device refuses the start too: tests/test_gpu_faults.py)
 
 
 @pytest.mark.model
@@ -222,8 +227,8 @@ async def test_two_real_engines_share_the_batches(clips: list) -> None:
 
     settings = Settings(model={"device": "cpu", "engines": 2, "num_workers": 1,  # type: ignore[arg-type]
                                "cpu_threads": 1, "vad": "silero"})
-    engines = await asyncio.to_thread(load_engines, settings, load_whisper)
-    assert len(engines) == 2
+    engines, failed = await asyncio.to_thread(load_engines, settings, load_whisper)
+    assert len(engines) == 2 and not failed
     vad = make_vad("silero", "cpu")
     chosen = [c for c in clips if c.set in ("librispeech", "ljspeech") and 4 <= c.duration_s <= 20
               and c.id != "librispeech-1272-128104-0000"][:8]  # that one's reference is mislabelled

@@ -27,6 +27,20 @@ class EngineInfo:
         return f"{self.device}:{self.device_index}"
 
 
+@dataclass(frozen=True)
+class EngineFailure:
+    """An engine that did not start (its GPU failed the load or the warm-up): the service runs
+    on the others and reports this one (``/readyz``, the ``engine_up`` gauge) until a restart."""
+
+    engine: str  # "cuda:1"
+    stage: str  # "load" or "warm-up"
+    exc: BaseException
+
+    @property
+    def error(self) -> str:
+        return f"{self.stage} failed: {type(self.exc).__name__}: {self.exc}"
+
+
 class Engine(Protocol):
     info: EngineInfo
 

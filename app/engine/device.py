@@ -143,10 +143,31 @@ OOM_TEXTS = (
     # allocated memory" (sic).
     "failed to allocate memory",
     "failed to allocated memory",
-    # thrust's parallel_for on a starved card reports an invalid device ordinal; measured by
-    # homelab-00/TranscriptionSuite#268 (RTX 3060, 869 MiB free): it alternated with "CUDA failed
-    # with error out of memory" at the same call site, whisperx's encode.
-    "parallel_for failed: cudaerrorinvaliddevice",
+)
+
+# A device that cannot run this code at all, whatever the batch: cudaGetErrorString texts as
+# CTranslate2's CUDA_CHECK ("CUDA failed with error ..."), thrust ("parallel_for failed:
+# cudaErrorX: ...") and torch ("CUDA error: ...") wrap them. Never out of memory, even when a text
+# also matches one of OOM_TEXTS: halving the batch cap cannot help, so it would halve for good.
+# They go the way of any engine error: the batch is re-placed, the engine takes a strike (and
+# leaves the rotation after a few), and calls that fail everywhere make /healthz unhealthy.
+DEVICE_ERROR_TEXTS = (
+    # cudaErrorInvalidDevice. Thrust raised it for a starved card in homelab-00/TranscriptionSuite
+    # #268 (alternating with "out of memory"), but CTranslate2 4.8's align() raises it on a T4
+    # with memory to spare, every call (OpenNMT/CTranslate2#2064, CCCL 2.7 in place of Thrust
+    # 1.12): counted as OOM, that halved the cap to 1 and kept it there.
+    "invalid device ordinal",
+    "cudaerrorinvaliddevice",
+    "no kernel image is available for execution on the device",  # cudaErrorNoKernelImageForDevice
+    "cudaerrornokernelimagefordevice",
+    "invalid device function",  # cudaErrorInvalidDeviceFunction
+    "driver version is insufficient",  # cudaErrorInsufficientDriver
+    "initialization error",  # cudaErrorInitializationError
+    "no cuda-capable device is detected",  # cudaErrorNoDevice
+    "cuda-capable device(s) is/are busy or unavailable",  # cudaErrorDevicesUnavailable
+    "forward compatibility was attempted on non supported hw",  # cudaErrorCompatNotSupportedOnDevice
+    "cublas_status_arch_mismatch",
+    "was not compiled with cuda support",  # a CPU-only CTranslate2 wheel
 )
 
 # CUDA errors that corrupt the context: every later call in this process fails too, and only a
@@ -167,16 +188,37 @@ def is_oom(exc: BaseException) -> bool:
     and the cap halved, never an engine taken out of rotation for it.
 
     ``MemoryError`` (the CPU allocator), torch's ``OutOfMemoryError`` (a RuntimeError subclass),
-    and RuntimeErrors whose text is one of :data:`OOM_TEXTS`.
+    and RuntimeErrors whose text is one of :data:`OOM_TEXTS` and not a device error
+    (:func:`is_device_error`).
     """
     if isinstance(exc, MemoryError):
         return True
     if type(exc).__name__ == "OutOfMemoryError":
         return True
-    if not isinstance(exc, RuntimeError):
+    if not isinstance(exc, RuntimeError) or is_device_error(exc):
         return False
     text = str(exc).lower()
     return any(t in text for t in OOM_TEXTS)
+
+
+def is_device_error(exc: BaseException) -> bool:
+    """A device or driver that cannot run the call (see :data:`DEVICE_ERROR_TEXTS`): never out
+    of memory, so the batch cap is left alone and the engine is blamed instead."""
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError | ValueError) and any(t in text for t in DEVICE_ERROR_TEXTS)
+
+
+# Device errors a starved card raised too (thrust, in TranscriptionSuite#268 above).
+STARVED_TEXTS = ("parallel_for failed: cudaerrorinvaliddevice",)
+
+
+def may_be_oom(exc: BaseException) -> bool:
+    """Out of memory, or a device error a starved card also raises. Only a smaller batch that
+    then runs tells the two apart: the warm-up's search can afford to try one (a real device
+    error fails at one window too, and refuses the start with its text); a serving batch cannot,
+    so the batcher and the engine pool go by :func:`is_oom` alone."""
+    text = str(exc).lower()
+    return is_oom(exc) or (isinstance(exc, RuntimeError) and any(t in text for t in STARVED_TEXTS))
 
 
 def is_sticky(exc: BaseException) -> bool:

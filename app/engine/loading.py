@@ -114,7 +114,7 @@ def mel_bins(engine: Any) -> tuple[int | None, int | None]:
 
 
 def load_whisper(settings: Settings) -> Engine:
-    """The engine factory of the service (``load_engines`` calls it once per GPU)."""
+    """The engine factory of the service (app/engine/startup.load_engines calls it per GPU)."""
     from app.engine.whisper import WhisperEngine
 
     m = engine_settings(settings.model)

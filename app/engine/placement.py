@@ -20,7 +20,8 @@ poison input must not take every GPU out one by one), and the error goes up for 
 split and isolate the window. The last engine in rotation is never removed; instead,
 ``batcher.unhealthy_after`` calls in a row failing on every engine (or a sticky error on the last
 one) make :meth:`EnginePool.unhealthy` say why, and ``/healthz`` answers 503 so the orchestrator
-restarts the process.
+restarts the process. Engines that never started (app/engine/startup.py) are no slots: the pool
+only lists them in :meth:`EnginePool.status`, out of rotation, with their error.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
 from app.config import Settings
-from app.engine import Engine, StagedEngine
+from app.engine import Engine, EngineFailure, StagedEngine
 from app.engine.device import cuda_device_count, is_oom, is_sticky, resolve_device
 from app.windows import DecodeOptions, Encoded, Window, WindowResult
 
@@ -84,11 +85,13 @@ class Slot:
 class EnginePool:
     def __init__(self, runners: Sequence[EngineRunner], utilisation: Utilisation | None = None,
                  on_remove: Callable[[int], None] | None = None, *, strikes: int = 3,
-                 retry_s: float = 60.0, unhealthy_after: int = 12) -> None:
+                 retry_s: float = 60.0, unhealthy_after: int = 12,
+                 failed: Sequence[EngineFailure] = ()) -> None:
         if not runners:
             raise ValueError("an engine pool needs at least one engine")
         self.slots = [Slot(k, r.engine.info.name if r.engine.info.device == "cuda"
                            else f"{r.engine.info.device}:{k}", r) for k, r in enumerate(runners)]
+        self.failed = list(failed)  # engines that did not start: reported, never tried
         self._utilisation = utilisation
         # Called with the worker count of an engine leaving / re-entering the rotation (the
         # batcher retires that many slots, so batches keep forming only for threads that can
@@ -116,11 +119,16 @@ class EnginePool:
         return [s for s in self.slots if s.in_rotation]
 
     def status(self) -> list[dict[str, Any]]:
+        """Every engine, those that did not start included (``started`` false, never retried)."""
         now = time.monotonic()
-        return [{"engine": s.name, "in_rotation": s.in_rotation, "batches_in_flight": s.batches,
-                 "batches_done": s.done, "error": s.error, "strikes": s.strikes,
+        return [{"engine": s.name, "started": True, "in_rotation": s.in_rotation,
+                 "batches_in_flight": s.batches, "batches_done": s.done, "error": s.error,
+                 "strikes": s.strikes,
                  "retry_in_s": None if s.retry_at is None else round(max(0.0, s.retry_at - now), 1)}
-                for s in self.slots]
+                for s in self.slots] + [
+                {"engine": f.engine, "started": False, "in_rotation": False,
+                 "batches_in_flight": 0, "batches_done": 0, "error": f.error, "strikes": 0,
+                 "retry_in_s": None} for f in self.failed]
 
     def unhealthy(self) -> str | None:
         """Why the process should be restarted, or None. Only the last engine in rotation can
@@ -304,24 +312,6 @@ def engine_count(settings: Settings) -> int:
     return 1
 
 
-def load_engines(settings: Settings, factory: Callable[[Settings], Engine]) -> list[Engine]:
-    """Engine k on GPU k (``model.device_index``). Blocking: call it on a worker thread.
-
-    The first engine's failure is the service's (a missing or broken model: refuse to start);
-    a later one's is that device's, and the service starts on the engines that loaded.
-    """
-    engines: list[Engine] = []
-    for k in range(engine_count(settings)):
-        model = settings.model.model_copy(update={"device_index": k})
-        try:
-            engines.append(factory(settings.model_copy(update={"model": model})))
-        except Exception:
-            if not engines:
-                raise
-            log.exception("engine %d failed to load; continuing without it", k)
-    return engines
-
-
 class NvmlUtilisation:
     """GPU busy fraction per CUDA ordinal from NVML (honours CUDA_VISIBLE_DEVICES); None if
     NVML is missing. Cheap enough to read per batch (a driver call, no lock we hold)."""
@@ -359,13 +349,13 @@ class NvmlUtilisation:
             return None
 
 
-def make_pool(engines: Sequence[Engine], settings: Settings | None = None) -> EnginePool:
+def make_pool(engines: Sequence[Engine], settings: Settings | None = None,
+              failed: Sequence[EngineFailure] = ()) -> EnginePool:
     runners = [EngineRunner(e) for e in engines]
     util = NvmlUtilisation() if engines[0].info.device == "cuda" and len(engines) > 1 else None
     s = settings or Settings()
     return EnginePool(runners, util, strikes=s.model.engine_strikes, retry_s=s.model.engine_retry_s,
-                      unhealthy_after=s.batcher.unhealthy_after)
+                      unhealthy_after=s.batcher.unhealthy_after, failed=failed)
 
 
-__all__ = ["EnginePool", "EngineRunner", "NoEngineLeft", "Slot", "engine_count", "load_engines",
-           "make_pool"]
+__all__ = ["EnginePool", "EngineRunner", "NoEngineLeft", "Slot", "engine_count", "make_pool"]

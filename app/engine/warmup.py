@@ -10,10 +10,12 @@ per engine, on its thread and device, before the service accepts work:
    tokens, so every kernel a request can reach has run once (CUDA's first calls also pay its
    lazy initialisation, cuBLAS handles and workspaces: not the first request's latency);
 2. on GPU, the batch the sizing derives (app/engine/sizing.py) on every worker at once, halved
-   on out of memory until it fits.
+   on out of memory until it fits (and on the device error a starved card also raises, until
+   one window shows which it was: app/engine/device.may_be_oom).
 
-Anything else that fails stops the start with the library's own message (the service exits;
-the orchestrator shows why). On CPU only the probe runs, one window: the CPU path's cap is the
+Anything else that fails leaves that engine out with the library's own message, and with no
+engine left the start is refused with it (app/engine/startup.py: the service exits; the
+orchestrator shows why). On CPU only the probe runs, one window: the CPU path's cap is the
 one measured on CPU (README), and its start stays fast.
 """
 
@@ -21,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -29,7 +30,7 @@ import numpy as np
 
 from app.config import Settings
 from app.engine import Engine
-from app.engine.device import DeviceMonitor, is_oom
+from app.engine.device import DeviceMonitor, is_oom, may_be_oom
 from app.engine.gpumem import PoolMeter
 from app.engine.loading import StartupRefused
 from app.engine.sizing import (
@@ -85,7 +86,7 @@ def _run_on_workers(engine: Engine, n: int, workers: int) -> None:
         errors = [f.exception() for f in futures]
     failed = [e for e in errors if e is not None]
     if failed:  # an OOM on one worker is the answer the search wants; else the first error
-        raise next((e for e in failed if is_oom(e)), failed[0])
+        raise next((e for e in failed if may_be_oom(e)), failed[0])
 
 
 def align_directly(engine: Engine) -> bool:
@@ -140,9 +141,10 @@ def warm_up(engine: Engine, settings: Settings, monitor: DeviceMonitor,
         try:
             results = _run(engine, probe_n, probe_beam)
         except Exception as exc:
-            if not (gpu and is_oom(exc)):
+            if not (gpu and may_be_oom(exc)):
                 raise
-            log.warning("warm-up probe ran out of memory on %s (%s); one window", name, exc)
+            log.warning("warm-up probe ran out of memory (or may have) on %s (%s); one window",
+                        name, exc)
             probe_n, probe_beam = 1, 1
             results = _run(engine, 1, 1)
         if not any(r.words for r in results):
@@ -176,18 +178,12 @@ def _verify(engine: Engine, sizing: EngineSizing, settings: Settings, monitor: D
             _run_on_workers(engine, n, sizing.workers)
             break
         except Exception as exc:
-            if not is_oom(exc):
+            if not may_be_oom(exc) or (n == 1 and not is_oom(exc)):
                 raise _fail(sizing.engine, f"batch of {n} windows", exc) from exc
             if n == 1:
                 raise WarmupFailed(f"{sizing.engine} has not the memory to run one window on "
                                    f"each of its {sizing.workers} workers: {exc}") from exc
-            log.warning("warm-up batch of %d windows ran out of memory on %s (%s); halving",
-                        n, sizing.engine, exc)
+            log.warning("warm-up batch of %d windows ran out of memory (or may have) on %s (%s); "
+                        "halving", n, sizing.engine, exc)
             n, sizing.oom_steps = max(1, n // 2), sizing.oom_steps + 1
     sizing.verified = n
-
-
-def warm_up_all(engines: Sequence[Engine], settings: Settings, monitor: DeviceMonitor,
-                meter: PoolMeter) -> list[EngineSizing]:
-    """Every engine in turn, each on its own GPU; the first failure stops the start."""
-    return [warm_up(e, settings, monitor, meter) for e in engines]
