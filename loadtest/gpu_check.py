@@ -246,7 +246,7 @@ def forced_oom(srv: Server, clips: list[Clip], long: Clip, args: argparse.Namesp
 def bare_encode(args: argparse.Namespace, compute_type: str) -> dict[str, Any]:
     """The encoder alone; on GPU once more with CTranslate2's flash attention (64 windows)."""
     gpu = args.device == "cuda"
-    batches = args.bare_batches or ("1,16,64,128" if gpu else "1,8")
+    batches = args.bare_batches or ("1,16,64,128" if gpu else "1,4")
     runs: list[tuple[str, list[str]]] = [("default", ["--batches", batches])]
     if gpu:
         runs.append(("flash_attention", ["--batches", "64", "--flash-attention"]))
@@ -271,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--clips", type=int, default=None, help="a subset of the corpus (all: 83)")
     ap.add_argument("--concurrency", type=int, default=32, help="requests in flight")
     ap.add_argument("--long-min", type=float, default=None,
-                    help="the long upload's minutes (default: 60 on GPU, 10 on CPU)")
+                    help="the long upload's minutes (default: 60 on GPU, 5 on CPU)")
     ap.add_argument("--oom-keep-gb", type=float, default=0.15,
                     help="GPU memory left free by the side process in forced_oom (whisper-base: "
                          "~35-45 MB per 30 s window in a batch)")
@@ -296,7 +296,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": args.device, "model": args.model, "host": host_info(args.device),
         "clips": len(clips), "audio_s": round(sum(c.duration_s for c in clips), 1),
         "concurrency": args.concurrency, "normaliser": normaliser_name()})
-    minutes = args.long_min or (60.0 if args.device == "cuda" else 10.0)
+    minutes = args.long_min or (60.0 if args.device == "cuda" else 5.0)
     long_path = args.work / "long.wav"
     args.work.mkdir(parents=True, exist_ok=True)
     long = Clip("long", str(long_path), write_long_wav(clips, long_path, minutes * 60), "", "long")

@@ -21,6 +21,8 @@ from typing import Any
 import httpx
 import pytest
 
+from loadtest.probes import histogram_delta, parse_metrics
+from loadtest.service import write_long_wav
 from models.provision import default_cache_dir
 from tests.conftest import ROOT, Clip, Server
 from tests.fakegpu import INVALID_DEVICE_TEXT, OOM_TEXTS, read_events
@@ -99,6 +101,18 @@ def test_the_service_on_a_fake_gpu(make_server: type[Server], clips: list[Clip],
     normal = run_jobs(srv, read[:4])
     assert all(j["status"] == "done" for j in normal), normal
     assert wer([c.reference for c in read[:4]], [j["result"]["text"] for j in normal]) < 0.2
+
+    # Item 1 of issue 33: one long upload alone fills the sized batch. The per-job ledger's CPU
+    # defaults (window_memory_mb 100, job_memory_mb 300) left it one window per batch per worker.
+    long_wav = tmp_path / "long.wav"
+    write_long_wav(read, long_wav, 240)
+    before = parse_metrics(httpx.get(srv.url + "/metrics").text)
+    [long_job] = run_jobs(srv, [Clip("long", long_wav, 240.0, "", "long", 16_000, 1)])
+    assert long_job["status"] == "done", long_job.get("error")
+    after = parse_metrics(httpx.get(srv.url + "/metrics").text)
+    sizes = histogram_delta(before, after, "batchscribe_batch_size_windows")["distribution"]
+    largest = max(int(k.split("-")[-1]) for k in sizes if k != "inf")
+    assert largest >= expected, sizes  # the histogram's bucket holding the sized cap
 
     # 5a. An OOM storm: another process takes all but 2.5 windows' worth of the free memory.
     free_mb = TOTAL_MB - 300 - wmb
