@@ -24,7 +24,7 @@ from typing import Any, Literal
 
 import srt
 
-Format = Literal["json", "text", "srt", "vtt", "tsv"]
+Format = Literal["json", "text", "srt", "vtt", "tsv", "rttm"]
 LINE_CHARS = 42  # the common broadcast limit (Netflix, BBC: 37-42)
 MEDIA_TYPES: dict[str, str] = {
     "json": "application/json",
@@ -32,6 +32,7 @@ MEDIA_TYPES: dict[str, str] = {
     "srt": "application/x-subrip; charset=utf-8",
     "vtt": "text/vtt; charset=utf-8",
     "tsv": "text/tab-separated-values; charset=utf-8",
+    "rttm": "text/plain; charset=utf-8",  # diarize=true: the speaker turns (app/speakers/report.py)
 }
 
 
@@ -219,4 +220,8 @@ def render(result: dict[str, Any], fmt: str, opts: CueOptions | None = None) -> 
         return to_vtt(result, opts)
     if fmt == "tsv":
         return to_tsv(result, opts)
+    if fmt == "rttm":
+        from app.speakers.report import to_rttm
+
+        return to_rttm(result)
     return to_text(result)

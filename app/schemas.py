@@ -16,9 +16,11 @@ def _absent(v: object) -> bool:
 
 class Segment(BaseModel):
     id: int
-    start: float = Field(description="Seconds from the start of the upload.")
+    start: float = Field(description="Seconds from the start of the upload; with diarize=true, "
+                         "the speaker's speech around the segment's words (word times stay).")
     end: float
-    text: str
+    text: str = Field(description="diarize=true: empty for speech of the speaker in which no "
+                      "words were recognised.")
     language: str | None = Field(None, description="The window's language (they differ only "
                                  "with language_detection=per_window).")
     avg_logprob: float | None = None
@@ -41,6 +43,12 @@ class Word(BaseModel):
                                 description="As the segment's (diarize, channels=separate).")
 
 
+class SpeakerTurn(BaseModel):
+    start: float
+    end: float
+    speaker: str
+
+
 class Transcription(BaseModel):
     text: str
     language: str | None
@@ -53,6 +61,14 @@ class Transcription(BaseModel):
     speakers: list[str] | None = Field(
         None, exclude_if=_absent,
         description="diarize=true or channels=separate: the speaker labels that occur.")
+    turns: list[SpeakerTurn] | None = Field(
+        None, exclude_if=_absent,
+        description="diarize=true: the speaker models' own turns (overlapping where two speak "
+        "at once), named as the segments; GET /jobs/{id}/result?format=rttm gives them as RTTM.")
+    diarization: dict[str, Any] | None = Field(
+        None, exclude_if=_absent,
+        description="diarize=true: speakers found; the num/min/max_speakers asked and whether "
+        "the audio supported them (met, note); known speakers' match similarity.")
 
 
 class WebhookState(BaseModel):

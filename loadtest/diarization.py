@@ -11,6 +11,11 @@ one speaker over the reference speech (oracle speech activity, one label) and on
 the whole file. CPU time is the process's (all threads) per recording, one torch thread as in
 the service. A second pass runs all recordings at once: its batches mix recordings, and its
 turns must equal the first pass's (batch composition does not change a result).
+
+Then, unless ``--no-service``, what users get (``loadtest/diarization_users.py``): the real
+service, ``diarize=true`` on every recording and on its ``--excerpt-s`` excerpts, its turns
+(``format=rttm``) and its segments' speakers scored alike (``as_users_get`` in the report;
+RTTMs under ``<rttm-dir>/service/``).
 """
 
 from __future__ import annotations
@@ -131,6 +136,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--chunk-s", type=float, default=60.0, help="audio fed per feed() call")
     p.add_argument("--rttm-dir", type=Path, default=ROOT / "loadtest" / "results" / "diarization-rttm")
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--no-service", action="store_true",
+                   help="skip the service phase (DER of the turns and segments users get)")
+    p.add_argument("--excerpt-s", type=float, default=15.0,
+                   help="service phase: also excerpts this long (hop: half); 0: none")
     args = p.parse_args(argv)
 
     from app.audio import decode
@@ -139,7 +148,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     git = git_state()
     items = manifest(args.corpus)
     for m in items:
-        m["audio"] = decode(args.corpus / m["file"], 4 * 3600)
+        m["path"] = args.corpus / m["file"]
+        m["audio"] = decode(m["path"], 4 * 3600)
         m["ref"] = der.load_rttm(str(args.corpus / m["rttm"])).get(m["id"], [])
     result = asyncio.run(run(items, args.cache_dir, args.chunk_s))
     seq = result["sequential"]
@@ -170,6 +180,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         "rttm_dir": str(args.rttm_dir.relative_to(ROOT) if args.rttm_dir.is_relative_to(ROOT)
                         else args.rttm_dir),
     }
+    if not args.no_service:
+        from loadtest import diarization_users
+
+        report["as_users_get"] = diarization_users.run(der, items, args.excerpt_s,
+                                                       args.rttm_dir / "service")
     text = json.dumps(report, indent=2)
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -180,6 +195,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"DER {name}: total {100 * s['total']['der']:.2f}% ({per})")
     for b in ("baseline_one_speaker_on_reference_speech", "baseline_one_speaker_whole_file"):
         print(f"{b}: {100 * report[b]['primary']['total']['der']:.2f}%")
+    if "as_users_get" in report:
+        from loadtest.diarization_users import summary
+
+        print(summary(report["as_users_get"]))
     print(f"CPU {report['cost']['cpu_s_per_audio_s']} s per audio s; concurrent pass "
           f"{report['cost']['concurrent_pass']}")
     return 0

@@ -20,7 +20,14 @@ from openai import OpenAI
 from app.speakers import Turn
 from tests.conftest import Clip, Server
 from tests.test_speaker_output import stereo, two_clips
-from tests.test_speakers import CORPUS, SAMPLE, best_mapping, corpus_item, der_module
+from tests.test_speakers import (
+    CORPUS,
+    SAMPLE,
+    best_mapping,
+    corpus_item,
+    der_module,
+    segment_words,
+)
 from tests.wer import wer
 
 pytestmark = pytest.mark.model
@@ -71,7 +78,7 @@ def test_sample_has_two_speakers_whose_turns_match_the_reference(diarized: dict[
     100%)."""
     result = diarized["result"]
     assert result["speakers"] == ["SPEAKER_00", "SPEAKER_01"] and diarized["diarization_s"] > 0
-    assert result["segments"][0]["speaker"] == "SPEAKER_00"
+    assert [s for s in result["segments"] if s["text"]][0]["speaker"] == "SPEAKER_00"
     words, segments = result["words"], result["segments"]
     assert len(words) > 60 and all(w["speaker"] in result["speakers"] for w in words)
     utterances = stm()
@@ -94,16 +101,49 @@ def test_sample_has_two_speakers_whose_turns_match_the_reference(diarized: dict[
             continue
         mine = sum(w["speaker"] == rttm_map[spk] for w in inside)
         assert mine >= 0.75 * len(inside), (s, e, spk, [(w["word"], w["speaker"]) for w in inside])
-    for seg in segments:  # split at every change: one speaker per segment
-        assert {w["speaker"] for w in words
-                if seg["start"] <= w["start"] and w["end"] <= seg["end"]} <= {seg["speaker"]}
+    for seg, own in segment_words(segments, words):  # split at every change
+        assert {w["speaker"] for w in own} == {seg["speaker"]}, seg
 
 
-def test_speaker_bounds_are_honoured(client: httpx.Client, sample: Path) -> None:
+def test_speaker_bounds_are_honoured(client: httpx.Client, sample: Path, tmp_path: Path) -> None:
     one = post(client, sample, diarize="true", max_speakers="1", language="en")
     assert one["result"]["speakers"] == ["SPEAKER_00"] and one["options"]["max_speakers"] == 1
     assert {s["speaker"] for s in one["result"]["segments"]} == {"SPEAKER_00"}
     assert one["result"]["words"] is None  # decoded with word times, returned only if asked
+    assert one["result"]["diarization"] == {"speakers": 1, "asked": {"max_speakers": 1},
+                                            "met": True}
+    three = post(client, sample, diarize="true", num_speakers="3", language="en")["result"]
+    assert len({t["speaker"] for t in three["turns"]}) == 3 == len(three["speakers"])
+    assert three["diarization"] == {"speakers": 3, "asked": {"num_speakers": 3}, "met": True}
+    # ~2 s of speech cannot hold 4 speakers: the result says so instead of answering quietly.
+    from app.audio import decode
+    from loadtest.common import write_wav16
+
+    write_wav16(tmp_path / "short.wav", decode(sample, 3600)[3 * 16_000: int(5.5 * 16_000)])
+    short = post(client, tmp_path / "short.wav", diarize="true", num_speakers="4")["result"]
+    assert short["diarization"]["met"] is False and short["diarization"]["speakers"] < 4
+    assert "num_speakers=4" in short["diarization"]["note"]
+
+
+def test_turns_as_rttm(client: httpx.Client, diarized: dict[str, Any]) -> None:
+    """The diarizer's turns, in the JSON and as RTTM named after the upload: what diarization
+    scorers read. Their speakers are the segments'."""
+    result = diarized["result"]
+    rttm = client.get(f"/jobs/{diarized['id']}/result", params={"format": "rttm"})
+    assert rttm.status_code == 200 and rttm.headers["content-type"].startswith("text/plain")
+    rows = [line.split() for line in rttm.text.splitlines()]
+    assert [(r[0], r[1], r[2], r[7]) for r in rows] == [
+        ("SPEAKER", SAMPLE, "1", t["speaker"]) for t in result["turns"]]
+    assert [(float(r[3]), round(float(r[3]) + float(r[4]), 3)) for r in rows] == [
+        (t["start"], t["end"]) for t in result["turns"]]
+    assert {t["speaker"] for t in result["turns"]} == set(result["speakers"])
+    der = der_module()
+    ref = der.load_rttm(str(CORPUS / corpus_item(SAMPLE)["rttm"]))[SAMPLE]
+    hyp = [(float(r[3]), float(r[3]) + float(r[4]), r[7]) for r in rows]
+    assert der.der(ref, hyp, 0.25, False, 30.0)["der"] <= 0.05
+    plain = post(client, CORPUS / corpus_item(SAMPLE)["file"], language="en")
+    wrong = client.get(f"/jobs/{plain['id']}/result", params={"format": "rttm"})
+    assert wrong.status_code == 400 and "diarize=true" in wrong.json()["error"]["message"]
 
 
 def test_srt_and_vtt_carry_the_speakers(client: httpx.Client, diarized: dict[str, Any]) -> None:

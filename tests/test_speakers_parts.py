@@ -108,10 +108,11 @@ def test_segments_split_at_speaker_changes_and_words_named() -> None:
              Turn(2.9, 3.2, "SPEAKER_00"), Turn(3.2, 4.0, "SPEAKER_01")]
     out = assign_speakers(service_transcript(), turns)
     segs = out["segments"]
+    # Split by words, timed by the turns (the speaker's speech around its words).
     assert [(s["id"], s["speaker"], s["text"], s["start"], s["end"]) for s in segs] == [
-        (0, "SPEAKER_00", "Hello there.", 0.0, 0.9),
-        (1, "SPEAKER_01", "Hi, how are you?", 1.2, 2.3),
-        (2, "SPEAKER_01", "(no words)", 3.0, 4.0),  # no word times: whole, longest overlap
+        (0, "SPEAKER_00", "Hello there.", 0.0, 1.0),
+        (1, "SPEAKER_01", "Hi, how are you?", 1.1, 2.5),
+        (2, "SPEAKER_01", "(no words)", 3.2, 4.0),  # no word times: whole, longest overlap
     ]
     assert segs[0]["tokens"] == [] and segs[0]["avg_logprob"] == -0.2  # split: no per-word tokens
     assert segs[2]["tokens"] == [4]

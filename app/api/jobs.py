@@ -1,7 +1,8 @@
-"""Job status, results in five formats, listing and cancellation."""
+"""Job status, results in six formats (rttm: diarized jobs), listing and cancellation."""
 
 from __future__ import annotations
 
+from pathlib import PurePath
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Query
@@ -12,6 +13,7 @@ from app.api.limits import GATE_MAX_AGE_S
 from app.errors import BadRequest, Conflict, public_error
 from app.formats import MEDIA_TYPES, CueOptions, Format, render
 from app.schemas import ErrorBody, Job, JobList
+from app.speakers.report import to_rttm
 from app.state import AppState
 
 router = APIRouter(tags=["jobs"])
@@ -62,7 +64,7 @@ async def get_job(job_id: str, st: AppState = Depends(state), who: Caller = Depe
 
 @router.get(
     "/jobs/{job_id}/result",
-    responses={**NOT_FOUND, 409: {"model": ErrorBody},
+    responses={**NOT_FOUND, 400: {"model": ErrorBody}, 409: {"model": ErrorBody},
                200: {"content": {t: {} for t in MEDIA_TYPES.values()}}},
 )
 async def get_result(
@@ -77,6 +79,12 @@ async def get_result(
                        status=job.status, error=public_error(job.error))
     if format == "json":
         return JSONResponse(job.result)
+    if format == "rttm":  # the speaker turns, named after the upload (scorers match by file id)
+        if job.result.get("turns") is None:
+            raise BadRequest("format=rttm gives speaker turns: the job needs diarize=true",
+                             field="format")
+        uri = PurePath(job.filename or job_id).stem or job_id
+        return PlainTextResponse(to_rttm(job.result, uri), media_type=MEDIA_TYPES[format])
     return PlainTextResponse(render(job.result, format, cue), media_type=MEDIA_TYPES[format])
 
 

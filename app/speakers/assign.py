@@ -15,18 +15,29 @@ Input is the service's transcript dict (``app/transcript.py`` ``transcript()``):
   dropped (they are not per word in the dict). Segments are renumbered.
 - A segment without words cannot be split at a time inside its text: it takes the speaker of
   the longest overlap (or the nearest turn), whole.
+- Segment times then come from the turns (app/speakers/fit.py): the speech of a segment's
+  speaker around its words, not the words' own times; speech of a speaker with no words gets
+  a segment with empty text (measured: DER of the segments 28.5 % -> 11.7 % on the shared
+  recordings, turns 13.1 %).
 - Speakers are renamed ``SPEAKER_00``, ``SPEAKER_01``, ... in order of first appearance in the
-  transcript, whatever the turns call them.
+  transcript (then speakers with turns but no words, in order of their first turn), whatever
+  the turns call them; speakers named from reference clips keep their names.
+- The result also gets ``turns`` (the diarizer's own, renamed the same way: RTTM's content)
+  and ``diarization`` (app/speakers/report.py: speakers found, the count asked and whether the
+  audio supported it, the named speakers' similarities).
 """
 
 from __future__ import annotations
 
 import copy
+import itertools
 from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 
+from app.speakers.fit import fit_segments, wordless_segments
+from app.speakers.report import SpeakerTurns, count_report, turn_dicts
 from app.speakers.turns import Turn, label
 
 
@@ -76,6 +87,8 @@ def assign_speakers(transcript: dict[str, Any], turns: Sequence[Turn]) -> dict[s
             if nested:
                 piece["words"] = ws
             segments.append(piece)
+    fit_segments(segments, turns)
+    wordless_segments(segments, turns)
     for k, seg in enumerate(segments):
         seg["id"] = k
     out["segments"] = segments
@@ -83,12 +96,20 @@ def assign_speakers(transcript: dict[str, Any], turns: Sequence[Turn]) -> dict[s
         out["words"] = [w for ws in groups for w in ws]
     names: list[str] = []
     for s in segments:
-        if s.get("speaker") and s["speaker"] not in names:
+        if s.get("text") and s.get("speaker") and s["speaker"] not in names:
             names.append(s["speaker"])
+    for t in index.turns:  # speakers with turns but no words, after those with words
+        if t.speaker not in names:
+            names.append(t.speaker)
     # Renumbered by first appearance in the transcript: the clustering numbers speakers by
     # their first 1.5 s crop, which can lie in speech the transcript has no words for (on
-    # pyannote-sample the first words were SPEAKER_01's). Turn names are labels only.
-    rename = {n: label(k) for k, n in enumerate(names)}
+    # pyannote-sample the first words were SPEAKER_01's). Turn names are labels only; names
+    # given by reference clips are kept.
+    known = {m.speaker for m in turns.names} if isinstance(turns, SpeakerTurns) else set()
+    rename: dict[str, str] = {}
+    free = (f for k in itertools.count() if (f := label(k)) not in known)
+    for n in names:
+        rename[n] = n if n in known else next(free)
     for s in segments:
         if s.get("speaker"):
             s["speaker"] = rename[s["speaker"]]
@@ -97,6 +118,8 @@ def assign_speakers(transcript: dict[str, Any], turns: Sequence[Turn]) -> dict[s
             if w.get("speaker"):
                 w["speaker"] = rename.get(w["speaker"], w["speaker"])
     out["speakers"] = [rename[n] for n in names]
+    out["turns"] = turn_dicts(turns, rename)
+    out["diarization"] = count_report(turns)
     return out
 
 

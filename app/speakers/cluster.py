@@ -13,12 +13,29 @@ clustered; the constants below are that recipe's, not tuned here:
 - then clusters of <= 4 embeddings are folded into the nearest larger one, and clusters whose
   centroids have cosine >= 0.8 are merged.
 
-Our additions, so callers' bounds hold (3D-Speaker's short-audio branch ignores an oracle
-count): ``num_speakers`` fixes the count (cut the dendrogram, or k for k-means) and skips the
-folding and merging; otherwise the count found (dendrogram cut, eigengap) is brought into
-``[min_speakers, max_speakers]``, and folding/merging stop at ``min_speakers``. The affinity is
-built sparse (top entries per row, computed in row blocks), so an hour of speech (~4800 crops)
-needs megabytes, not n^2 floats.
+Our changes, measured (``loadtest/diarization.py --excerpts``: 10-30 s excerpts of the shared
+recordings and synthetic conversations of corpus speakers): 3D-Speaker's fixed minimum of 5
+crops (3.75 s of speech) is made for meetings of an hour. In a 15-30 s excerpt a speaker often
+has fewer crops than that, so every cluster was "minor" but the largest, and folding merged
+them all into one: 3+ speaker excerpts came back as ONE speaker (6 of 33 excerpts, 2 of 12
+synthetic conversations). So:
+
+- a cluster is minor when it is smaller than ``min(5, round(0.1 n))`` crops (pyannote's rule
+  for short audio: ``min_cluster_size = min(12, max(1, round(0.1 * n)))``), i.e. unchanged
+  from ~34 s of speech on;
+- minor clusters are folded one at a time, smallest first, and folding stops at the lowest
+  allowed count, instead of all at once or not at all (with ``min_speakers=2`` the old rule
+  skipped folding whenever fewer than two clusters were large, and gave five speakers);
+- in short audio (the agglomerative branch), the count never goes below the number of voices
+  the segmentation model hears at once (``heard``: see ``app.speakers.turns.voices_heard``),
+  unless the caller's ``max_speakers`` says otherwise.
+
+Callers' bounds hold (3D-Speaker's short-audio branch ignores an oracle count): ``num_speakers``
+fixes the count (cut the dendrogram, or k for k-means) and skips the folding and merging;
+otherwise the count found (dendrogram cut, eigengap) is brought into ``[min_speakers,
+max_speakers]``, and folding/merging stop at the lower bound. The affinity is built sparse (top
+entries per row, computed in row blocks), so an hour of speech (~4800 crops) needs megabytes,
+not n^2 floats.
 """
 
 from __future__ import annotations
@@ -36,7 +53,8 @@ AHC_COS = 0.4  # agglomerative cut: merge while average cosine similarity > 0.4
 PVAL = 0.012  # spectral: fraction of each affinity row kept
 MIN_PNUM = 6  # ... but at least this many entries
 MAX_SPEAKERS = 15  # spectral: eigengap search range (3D-Speaker's max_num_spks)
-MINOR = 4  # clusters of <= this many embeddings are folded into larger ones
+MINOR = 4  # clusters of <= this many embeddings are folded (fewer in short audio)
+MINOR_SHARE = 0.1  # ... and, in short audio, of under this share of the embeddings
 MERGE_COS = 0.8  # clusters whose centroids are this similar are merged
 DENSE_EIGEN = 1000  # dense eigensolver up to here; beyond, Lanczos (n=3500: 2.5 s against 18 s)
 
@@ -68,8 +86,9 @@ class SpeakerBounds:
         return lo, max(lo, hi)
 
 
-def cluster(x: np.ndarray, bounds: SpeakerBounds | None = None) -> np.ndarray:
-    """Labels 0..k-1 (numbered by first occurrence) for the rows of ``x`` (n, dim)."""
+def cluster(x: np.ndarray, bounds: SpeakerBounds | None = None, heard: int = 1) -> np.ndarray:
+    """Labels 0..k-1 (numbered by first occurrence) for the rows of ``x`` (n, dim). ``heard``:
+    voices the segmentation model heard at once (a floor for the estimate in short audio)."""
     bounds = bounds or SpeakerBounds()
     n = len(x)
     if n == 0:
@@ -79,11 +98,18 @@ def cluster(x: np.ndarray, bounds: SpeakerBounds | None = None) -> np.ndarray:
     x = np.asarray(x, dtype=np.float64)
     x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
     lo, hi = bounds.range(n)
+    if n < SHORT and bounds.num_speakers is None:
+        lo = max(lo, min(heard, hi))
     labels = _agglomerative(x, lo, hi) if n < SHORT else _spectral(x, lo, hi)
     if bounds.num_speakers is None:
-        labels = _fold_minor(x, labels, lo)
+        labels = _fold_minor(x, labels, lo, min_size(n))
         labels = _merge_similar(x, labels, lo)
     return _renumber(labels)
+
+
+def min_size(n: int) -> int:
+    """The fewest embeddings of a cluster that is not folded (pyannote's short-audio rule)."""
+    return min(MINOR + 1, max(1, round(MINOR_SHARE * n)))
 
 
 def _agglomerative(x: np.ndarray, lo: int, hi: int) -> np.ndarray:
@@ -162,18 +188,21 @@ def _centroids(x: np.ndarray, labels: np.ndarray, ids: np.ndarray) -> np.ndarray
     return out
 
 
-def _fold_minor(x: np.ndarray, labels: np.ndarray, lo: int) -> np.ndarray:
-    """Embeddings of clusters of <= MINOR members go to the most similar larger cluster."""
-    ids, sizes = np.unique(labels, return_counts=True)
-    major = ids[sizes > MINOR]
-    minor = ids[sizes <= MINOR]
-    if len(minor) == 0 or len(major) == 0 or len(major) < lo:
-        return labels
-    centers = _centroids(x, labels, major)
+def _fold_minor(x: np.ndarray, labels: np.ndarray, lo: int, size: int) -> np.ndarray:
+    """Clusters of fewer than ``size`` embeddings, smallest first, go embedding by embedding
+    to the most similar large cluster (or, with none, the most similar other cluster), until
+    ``lo`` clusters are left."""
     out = labels.copy()
-    moved = np.isin(labels, minor)
-    out[moved] = major[np.argmax(x[moved] @ centers.T, axis=1)]
-    return out
+    while True:
+        ids, sizes = np.unique(out, return_counts=True)
+        if len(ids) <= max(lo, 1) or sizes.min() >= size:
+            return out
+        small = ids[int(np.argmin(sizes))]  # the first of the smallest
+        major = ids[sizes >= size]
+        targets = major if len(major) else ids[ids != small]
+        centers = _centroids(x, out, targets)
+        moved = out == small
+        out[moved] = targets[np.argmax(x[moved] @ centers.T, axis=1)]
 
 
 def _merge_similar(x: np.ndarray, labels: np.ndarray, lo: int) -> np.ndarray:

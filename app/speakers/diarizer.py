@@ -21,8 +21,8 @@ import numpy as np
 from app.speakers.batcher import ModelBatcher
 from app.speakers.cluster import SpeakerBounds
 from app.speakers.models import SAMPLE_RATE, FrameGrid
+from app.speakers.report import SpeakerTurns
 from app.speakers.stream import SpeakerStream
-from app.speakers.turns import Turn
 
 CHUNK_S = 60.0  # whole-array convenience: fed in chunks like the decoder's
 
@@ -96,7 +96,7 @@ class Diarizer:
 
     async def diarize(self, audio: np.ndarray, num_speakers: int | None = None,
                       min_speakers: int | None = None, max_speakers: int | None = None,
-                      chunk_s: float = CHUNK_S) -> list[Turn]:
+                      chunk_s: float = CHUNK_S) -> SpeakerTurns:
         """Turns of a whole 16 kHz mono float32 array (fed in ``chunk_s`` pieces)."""
         s = self.stream(None, num_speakers, min_speakers, max_speakers)
         step = max(1, round(chunk_s * SAMPLE_RATE))

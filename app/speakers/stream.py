@@ -28,7 +28,8 @@ import numpy as np
 
 from app.speakers.cluster import SpeakerBounds, cluster
 from app.speakers.models import CROP_SAMPLES, SAMPLE_RATE, FrameGrid, circle_pad
-from app.speakers.turns import Turn, compress, reconstruct, to_turns
+from app.speakers.report import SpeakerTurns
+from app.speakers.turns import compress, reconstruct, to_turns, voices_heard
 
 if TYPE_CHECKING:
     from app.speakers.batcher import ModelBatcher
@@ -102,19 +103,19 @@ class SpeakerStream:
         finally:
             self._busy = False
 
-    async def finish(self) -> list[Turn]:
+    async def finish(self) -> SpeakerTurns:
         """Run what is left and return the speaker turns (overlaps allowed)."""
         self._enter()
         try:
             self._finished = True
             if self._n == 0:
-                return []
+                return SpeakerTurns([], self.bounds)
             if self._n < self._win or (self._n - self._win) % self._hop:
                 # pyannote's last window: from the next grid position, zero-padded.
                 start = self._next_window * self._hop
                 await self._segment([self._audio(start, self._win)], self._next_window)
             if not self.windows:
-                return []
+                return SpeakerTurns([], self.bounds)
             last = self.window_frames[-1] + len(self.windows[-1])
             self._finalize(last)
             await self._embed(self._cut_crops(final=True))
@@ -226,13 +227,17 @@ class SpeakerStream:
             self._buf = self._buf[drop:].copy()
             self._b0 += drop
 
-    def _result(self) -> list[Turn]:
+    def _result(self) -> SpeakerTurns:
         """Clustering and reconstruction (CPU work, on a thread)."""
-        if not self.embeddings:
-            return []
-        labels = cluster(np.stack(self.embeddings), self.bounds)
-        spans = compress(self.crops, labels.tolist())
         count = np.concatenate(self._count) if self._count else np.zeros(0, np.uint8)
+        speech_s = round(float((count > 0).sum()) * self._grid.step, 3)
+        if not self.embeddings:
+            return SpeakerTurns([], self.bounds, 0, speech_s)
+        labels = cluster(np.stack(self.embeddings), self.bounds,
+                         voices_heard(self.windows, self._grid))
+        spans = compress(self.crops, labels.tolist())
+        need = self.bounds.num_speakers or self.bounds.min_speakers or 0
         binary = reconstruct(self.windows, self.window_frames, count, spans,
-                             int(labels.max()) + 1, self._grid)
-        return to_turns(binary, self._grid, self.duration)
+                             int(labels.max()) + 1, self._grid, need)
+        return SpeakerTurns(to_turns(binary, self._grid, self.duration), self.bounds,
+                            len(self.embeddings), speech_s)
