@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass, field, fields
-from typing import Literal
+from typing import Any, Literal
 
 import numpy as np
 
@@ -170,6 +170,8 @@ class JobOptions:
     num_speakers: int | None = None
     min_speakers: int | None = None
     max_speakers: int | None = None
+    # diarize: [{"name", "voice"}] from reference clips (app/speakers/named.py), not the clips
+    known_speakers: list[dict[str, Any]] | None = None
     channels: Channels = "mix"  # separate: each channel transcribed, labelled by channel
     audio_url: str | None = None  # fetched by the service (recorded without credentials)
 

@@ -78,7 +78,7 @@ def test_sample_has_two_speakers_whose_turns_match_the_reference(diarized: dict[
     100%)."""
     result = diarized["result"]
     assert result["speakers"] == ["SPEAKER_00", "SPEAKER_01"] and diarized["diarization_s"] > 0
-    assert [s for s in result["segments"] if s["text"]][0]["speaker"] == "SPEAKER_00"
+    assert next(s for s in result["segments"] if s["text"])["speaker"] == "SPEAKER_00"
     words, segments = result["words"], result["segments"]
     assert len(words) > 60 and all(w["speaker"] in result["speakers"] for w in words)
     utterances = stm()

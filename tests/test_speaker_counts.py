@@ -17,13 +17,33 @@ import numpy as np
 import pytest
 
 from app.speakers import Diarizer, SpeakerBounds
+from app.speakers.models import SpeakerModels
 from app.speakers.report import SpeakerTurns, count_report
+from models.provision import default_cache_dir
+from models.registry import SPEAKERS_MODEL, VERIFIED_MARKER
 from tests.conftest import CORPUS as MAIN_CORPUS
 from tests.test_speakers import BOUND, CORPUS, corpus_item, der_module, need
-from tests.test_speakers import diarizer, speaker_models  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.model
 SR = 16_000
+
+
+@pytest.fixture(scope="module")
+def models() -> SpeakerModels:
+    folder = default_cache_dir() / SPEAKERS_MODEL
+    need((folder / VERIFIED_MARKER).is_file(), f"{SPEAKERS_MODEL} is not provisioned")
+    import torch
+
+    torch.set_num_threads(1)  # as the service
+    return SpeakerModels(folder)
+
+
+@pytest.fixture
+async def diarizer(models: SpeakerModels) -> Any:
+    d = Diarizer(models)
+    d.start()
+    yield d
+    await d.stop()
 
 
 def recording(uri: str, start: float, end: float) -> tuple[np.ndarray, list[Any]]:

@@ -12,6 +12,7 @@ from app.errors import NotFound, NotReady, public_error
 from app.formats import LINE_CHARS, CueOptions
 from app.jobs.store import TERMINAL, JobRow
 from app.schemas import Job, Progress, Transcription, WebhookState
+from app.speakers.named import public_options
 from app.state import AppState
 
 
@@ -53,7 +54,7 @@ def to_job(row: JobRow, st: AppState, base: str = "") -> Job:
     return Job(
         id=row.id, status=row.status,  # type: ignore[arg-type]
         status_url=f"{base}/jobs/{row.id}", result_url=f"{base}/jobs/{row.id}/result",
-        filename=row.filename, options=row.options, created_at=row.created_at,
+        filename=row.filename, options=public_options(row.options), created_at=row.created_at,
         started_at=row.started_at, finished_at=row.finished_at,
         progress=Progress(windows_done=done, windows_total=total),
         audio_seconds=row.audio_seconds, queue_wait_s=row.queue_wait_s,

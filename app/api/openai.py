@@ -26,14 +26,16 @@ shape of OpenAI's diarization model (``TranscriptionDiarized`` in the ``openai``
 OpenAI names them without known speakers: ``A``, ``B``, ... in order of first appearance.
 ``model`` may be ``gpt-4o-transcribe-diarize`` (what clients of that model send); its
 ``chunking_strategy`` is accepted and changes nothing (uploads are always cut at pauses by the
-VAD). ``known_speaker_names[]``/``known_speaker_references[]`` are refused (400): naming speakers
-from reference clips is not implemented.
+VAD). ``known_speaker_names[]`` with ``known_speaker_references[]`` (data URLs, up to 4) name the
+speakers they match (app/speakers/named.py); unmatched ones keep letters, and the answer's
+``known_speakers`` says how similar each reference was.
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable, Coroutine, Mapping
+from dataclasses import replace
 from pathlib import PurePath
 from typing import Annotated, Any, Literal
 
@@ -68,6 +70,7 @@ from app.errors import (
 )
 from app.formats import MEDIA_TYPES, CueOptions, render
 from app.jobs.store import TERMINAL, JobRow
+from app.speakers import named
 from app.state import AppState
 
 ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt", "diarized_json"]
@@ -158,7 +161,8 @@ FormatField = Annotated[ResponseFormat, Form()]
 TemperatureField = Annotated[float, Form(ge=0, le=1)]
 
 
-@router.post("/audio/transcriptions", response_model=None, responses=AUDIO_RESPONSES)
+@router.post("/audio/transcriptions", response_model=None, responses=AUDIO_RESPONSES,
+             form_limits={"max_part_size": named.PART_BYTES})  # data URLs of reference clips
 async def transcriptions(
     request: Request, file: FileField, model: ModelField,
     language: Annotated[str | None, Form(description="ISO 639-1; detected when absent.")] = None,
@@ -181,12 +185,19 @@ async def transcriptions(
     st: AppState = Depends(ready_state), who: Caller = Depends(caller),
 ) -> Response:
     gran: set[str] = set(granularities or []) | set(granularities_plain or [])
+    known = None
     if known_names or known_refs:
-        raise BadRequest("known_speaker_names[] and known_speaker_references[] are not "
-                         "supported: speakers are named A, B, ... by first appearance",
-                         field="known_speaker_names[]", headers=NO_RETRY)
+        if response_format != "diarized_json":
+            raise BadRequest("known speakers name diarized speakers: they need "
+                             "response_format=diarized_json", field="known_speaker_names[]",
+                             headers=NO_RETRY)
+        check_model(st, model)
+        known = await named.reference_voices(st.runner.speakers, known_names or [],
+                                             known_refs or [], "known_speaker_names[]",
+                                             "known_speaker_references[]")
     return await _run(request, st, who, file, model, "transcribe", language, prompt,
-                      response_format, temperature, gran, cue, stream, hotwords, idempotency_key)
+                      response_format, temperature, gran, cue, stream, hotwords, idempotency_key,
+                      known)
 
 
 @router.post("/audio/translations", response_model=None, responses=AUDIO_RESPONSES)
@@ -209,7 +220,8 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
                task: str, language: str | None, prompt: str | None, fmt: str,
                temperature: float, gran: set[str], cue: CueOptions | None = None,
                stream: bool = False, hotwords: str | None = None,
-               raw_key: str | None = None) -> Response:
+               raw_key: str | None = None, known: list[dict[str, Any]] | None = None
+               ) -> Response:
     key = idempotency.parse_key(raw_key)
     check_model(st, model)
     if "word" in gran and fmt != "verbose_json":
@@ -221,6 +233,7 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
     options = decode_options(st, language, task, None, prompt, temperature, aligned, hotwords)
     if fmt == "diarized_json":
         options = speaker_options(st, options, True, None, None, None)
+        options = replace(options, known_speakers=known)
     wait_s = min(st.settings.limits.sync_timeout_s, st.settings.limits.openai_wait_s)
     first = await idempotency.find(st, who.owner, key) if key else None
     job_id = first.id if first else await accept_upload(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, Field
 
 
 class OpenAIErrorDetail(BaseModel):
@@ -64,14 +64,24 @@ class DurationUsage(BaseModel):
     seconds: float
 
 
+class KnownSpeaker(BaseModel):
+    name: str
+    matched: bool
+    similarity: float = Field(description="Cosine of the reference's voice and the most "
+                              "similar speaker's, -1..1; matched at >= threshold.")
+    threshold: float
+
+
 class OpenAIDiarized(BaseModel):
-    """``response_format=diarized_json``: OpenAI's ``TranscriptionDiarized``."""
+    """``response_format=diarized_json``: OpenAI's ``TranscriptionDiarized``; ``known_speakers``
+    (ours, with ``known_speaker_names[]``): how sure each name is."""
 
     task: Literal["transcribe"] = "transcribe"
     duration: float
     text: str
     segments: list[DiarizedSegment]
     usage: DurationUsage | None = None
+    known_speakers: list[KnownSpeaker] | None = Field(None, exclude_if=lambda v: v is None)
 
 
 class OpenAITranscription(BaseModel):
@@ -110,16 +120,21 @@ def verbose_json(result: dict[str, Any], task: str, words: bool) -> dict[str, An
 
 def diarized_json(result: dict[str, Any]) -> dict[str, Any]:
     """OpenAI's ``TranscriptionDiarized`` from a diarized job's result. Speakers are renamed as
-    OpenAI names them (A, B, ... by first appearance); a segment where the speaker models heard
-    no speech at all keeps the name ``unknown``."""
-    names = {s: speaker_letter(k) for k, s in enumerate(result.get("speakers") or [])}
+    OpenAI names them (A, B, ... by first appearance), those named from reference clips keep
+    their names; a segment where the speaker models heard no speech at all keeps the name
+    ``unknown``."""
+    known = (result.get("diarization") or {}).get("known_speakers")
+    kept = {k["name"] for k in known or [] if k.get("matched")}
+    letters = iter(speaker_letter(k) for k in range(len(result.get("speakers") or [])))
+    names = {s: s if s in kept else next(letters) for s in result.get("speakers") or []}
     segments = [
         DiarizedSegment(id=f"seg_{k}", speaker=names.get(s.get("speaker") or "", "unknown"),
                         start=s["start"], end=s["end"], text=s["text"])
         for k, s in enumerate(s for s in result.get("segments", []) if s.get("text"))
     ]
     return OpenAIDiarized(duration=result["duration"], text=result["text"], segments=segments,
-                          usage=DurationUsage(seconds=result["duration"])).model_dump(mode="json")
+                          usage=DurationUsage(seconds=result["duration"]),
+                          known_speakers=known).model_dump(mode="json")
 
 
 def speaker_letter(k: int) -> str:

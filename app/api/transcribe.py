@@ -25,6 +25,7 @@ from app.jobs.runner import new_job_id
 from app.jobs.webhooks import check_callback_url
 from app.remote import fetch_audio
 from app.schemas import ErrorBody, Job
+from app.speakers import named
 from app.state import AppState
 from app.windows import JobOptions
 
@@ -204,7 +205,8 @@ class MissingInput(ServiceError):
     error_type = "invalid_request"
 
 
-@router.post("/transcribe", status_code=202, response_model=Job, responses=ERRORS)
+@router.post("/transcribe", status_code=202, response_model=Job, responses=ERRORS,
+             form_limits={"max_files": 1 + named.MAX_KNOWN})  # the upload and references
 async def transcribe(
     request: Request,
     file: Annotated[UploadFile | None, File(
@@ -228,6 +230,12 @@ async def transcribe(
     max_speakers: Annotated[int | None, Form(
         ge=1, le=MAX_SPEAKERS, description="diarize: at most this many speakers.")] = None,
     channels: Annotated[Literal["mix", "separate"], Form(description=CHANNELS_HELP)] = "mix",
+    known_speaker_names: Annotated[list[str] | None, Form(
+        description="diarize: names of known speakers, one per reference file, in order.")] = None,
+    known_speaker_references: Annotated[list[UploadFile] | None, File(
+        description="diarize: a clip of each known speaker alone (1.5-30 s; 2-10 s is plenty); "
+        "speakers who match one are named after it (result.diarization.known_speakers: how "
+        "similar each was).")] = None,
     callback_url: Annotated[str | None, Form(
         max_length=2048, description="POSTed the signed job summary when it ends (webhooks on).",
     )] = None,
@@ -247,6 +255,18 @@ async def transcribe(
                              word_timestamps, hotwords, language_detection)
     options = speaker_options(st, options, diarize, num_speakers, min_speakers, max_speakers,
                               channels)
+    if known_speaker_names or known_speaker_references:
+        if not diarize:
+            raise BadRequest("known speakers name diarized speakers: they need diarize=true",
+                             field="known_speaker_references", headers=NO_RETRY)
+        clips = [await f.read(named.PART_BYTES + 1) for f in known_speaker_references or []]
+        if any(len(c) > named.PART_BYTES for c in clips):
+            raise BadRequest(f"a reference clip is over {named.PART_BYTES >> 20} MB",
+                             field="known_speaker_references", headers=NO_RETRY)
+        known = await named.reference_voices(st.runner.speakers, known_speaker_names or [],
+                                             clips, "known_speaker_names",
+                                             "known_speaker_references")
+        options = replace(options, known_speakers=known)
     job_id = await accept_upload(st, file, options, who, callback_url, audio_url,
                                  idempotency_key=key)
     return await job_answer(st, job_id, wait)

@@ -50,7 +50,8 @@ class JobSpeakers:
         diarizer = await self.service.diarizer()  # the first diarize job loads the models
         o = self.options
         return diarizer.stream(self.job_id, num_speakers=o.num_speakers,
-                               min_speakers=o.min_speakers, max_speakers=o.max_speakers)
+                               min_speakers=o.min_speakers, max_speakers=o.max_speakers,
+                               known=o.known_speakers or ())
 
     async def feed(self, audio: np.ndarray, start_s: float) -> None:
         """Start this chunk's speaker work once the previous chunk's is done (and raise its

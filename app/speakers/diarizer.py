@@ -10,11 +10,11 @@ whole-array convenience on top of it.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Hashable
+from collections.abc import Hashable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -87,12 +87,13 @@ class Diarizer:
             self._executor.shutdown(wait=False, cancel_futures=True)
 
     def stream(self, job: Hashable | None = None, num_speakers: int | None = None,
-               min_speakers: int | None = None, max_speakers: int | None = None
-               ) -> SpeakerStream:
-        """A new job's stream. ``job`` keys fairness across jobs in the batchers."""
+               min_speakers: int | None = None, max_speakers: int | None = None,
+               known: Sequence[dict[str, Any]] = ()) -> SpeakerStream:
+        """A new job's stream. ``job`` keys fairness across jobs in the batchers; ``known``:
+        reference voices that name the speakers they match (app/speakers/named.py)."""
         return SpeakerStream(job if job is not None else ("stream", next(self._ids)),
                              self.models, self.segmenter, self.embedder,
-                             SpeakerBounds(num_speakers, min_speakers, max_speakers))
+                             SpeakerBounds(num_speakers, min_speakers, max_speakers), known)
 
     async def diarize(self, audio: np.ndarray, num_speakers: int | None = None,
                       min_speakers: int | None = None, max_speakers: int | None = None,

@@ -21,13 +21,14 @@ inputs, so batching does not change an output beyond float rounding).
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Hashable
-from typing import TYPE_CHECKING, Protocol
+from collections.abc import Hashable, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 
 from app.speakers.cluster import SpeakerBounds, cluster
 from app.speakers.models import CROP_SAMPLES, SAMPLE_RATE, FrameGrid, circle_pad
+from app.speakers.named import match, unit_mean
 from app.speakers.report import SpeakerTurns
 from app.speakers.turns import compress, reconstruct, to_turns, voices_heard
 
@@ -55,9 +56,11 @@ class SpeakerStream:
     def __init__(self, job: Hashable, geometry: Geometry,
                  segmenter: ModelBatcher[np.ndarray, np.ndarray],
                  embedder: ModelBatcher[np.ndarray, np.ndarray],
-                 bounds: SpeakerBounds | None = None) -> None:
+                 bounds: SpeakerBounds | None = None,
+                 known: Sequence[dict[str, Any]] = ()) -> None:
         self.job = job
         self.bounds = bounds or SpeakerBounds()
+        self.known = list(known)  # [{"name", "voice"}]: app/speakers/named.py
         self._seg_b, self._emb_b = segmenter, embedder
         self._grid = geometry.frames
         self._win = geometry.window_samples
@@ -232,12 +235,16 @@ class SpeakerStream:
         count = np.concatenate(self._count) if self._count else np.zeros(0, np.uint8)
         speech_s = round(float((count > 0).sum()) * self._grid.step, 3)
         if not self.embeddings:
-            return SpeakerTurns([], self.bounds, 0, speech_s)
+            return SpeakerTurns([], self.bounds, 0, speech_s, match({}, self.known)[1])
         labels = cluster(np.stack(self.embeddings), self.bounds,
                          voices_heard(self.windows, self._grid))
         spans = compress(self.crops, labels.tolist())
         need = self.bounds.num_speakers or self.bounds.min_speakers or 0
         binary = reconstruct(self.windows, self.window_frames, count, spans,
                              int(labels.max()) + 1, self._grid, need)
-        return SpeakerTurns(to_turns(binary, self._grid, self.duration), self.bounds,
-                            len(self.embeddings), speech_s)
+        emb = np.stack(self.embeddings)
+        voices = {int(k): unit_mean(emb[labels == k]) for k in np.unique(labels)
+                  if binary[:, k].any()}
+        names, matches = match(voices, self.known)
+        return SpeakerTurns(to_turns(binary, self._grid, self.duration, names), self.bounds,
+                            len(self.embeddings), speech_s, matches)

@@ -128,10 +128,12 @@ def voices_heard(windows: Sequence[np.ndarray], grid: FrameGrid) -> int:
     return heard
 
 
-def to_turns(binary: np.ndarray, grid: FrameGrid, duration: float) -> list[Turn]:
+def to_turns(binary: np.ndarray, grid: FrameGrid, duration: float,
+             names: dict[int, str] | None = None) -> list[Turn]:
     """Runs of 1 per speaker, from the middle of their first frame to the middle of the frame
     after (3D-Speaker's ``binary_to_segs``), clipped to the audio, in start order; speakers are
-    renamed SPEAKER_00, SPEAKER_01, ... in order of first speech."""
+    renamed SPEAKER_00, SPEAKER_01, ... in order of first speech, except those ``names`` names
+    (known speakers, app/speakers/named.py)."""
     n = len(binary)
     if n == 0:
         return []
@@ -147,7 +149,9 @@ def to_turns(binary: np.ndarray, grid: FrameGrid, duration: float) -> list[Turn]
             if end > start:
                 raw.append((start, end, k))
     raw.sort()
-    names: dict[int, str] = {}
+    given = dict(names or {})
+    labels: dict[int, str] = {}
     for _, _, k in raw:
-        names.setdefault(k, label(len(names)))
-    return [Turn(round(s, 3), round(e, 3), names[k]) for s, e, k in raw]
+        if k not in labels:
+            labels[k] = given.get(k) or label(sum(1 for j in labels if j not in given))
+    return [Turn(round(s, 3), round(e, 3), labels[k]) for s, e, k in raw]

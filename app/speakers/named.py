@@ -1,0 +1,193 @@
+"""Named speakers: reference clips of known people label the diarized speakers they match.
+
+OpenAI's diarizing model takes ``known_speaker_names[]`` with ``known_speaker_references[]``
+(2-10 s clips as data URLs, up to 4) and names segments after them; ``POST /transcribe`` takes
+the same names with reference files. Each reference is embedded like the recording is: cut
+into 1.5 s crops every 0.75 s of its speech (the segmentation model finds the speech), a CAM++
+embedding per crop, and their normalised mean is its voice (:func:`voiceprint`, through the
+diarizer's own batchers, so the work is batched and off the event loop). Voices (192 floats
+each) travel with the job's options; the references themselves are not kept.
+
+At the end of the job every speaker's voice is the normalised mean of its crops' embeddings,
+and references are matched to speakers one to one (Hungarian assignment on cosine similarity)
+when the similarity is at least ``MATCH_COS``; a matched speaker is called by its name, the
+others keep their labels (``SPEAKER_00``..., or OpenAI's letters), and the result lists every
+reference with its best similarity and whether it matched: how sure each name is.
+
+``MATCH_COS`` = 0.5, measured here with these models (reference of the first 2.5/5/10 s of a
+corpus speaker against the voice of 12 s from the middle of a recording; 5 speakers of
+../shared/corpus, different sources): the same speaker scored 0.52-0.98 with references of
+5-10 s (0.37-0.94 at 2.5 s), different speakers -0.1-0.47 (median 0.06). In the same meeting
+(AMI, one channel for all) different speakers come closer, so short references (2-3 s) of
+similar voices may miss the threshold: the similarity is in the result to act on.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import re
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from app.speakers.report import NameMatch
+
+if TYPE_CHECKING:
+    from app.speakers.diarizer import Diarizer
+    from app.speakers.service import SpeakerService
+
+MATCH_COS = 0.5
+MAX_KNOWN = 4  # OpenAI's limit
+MIN_REF_S, MAX_REF_S = 1.5, 30.0  # one crop at least; OpenAI asks for 2-10 s
+MAX_NAME = 100
+PART_BYTES = 4 * 1024 * 1024  # a data URL field: 10 s of 48 kHz stereo 16-bit WAV in base64
+DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?:;[\w.+-]+=[\w.+-]+)*;base64,",
+                      re.IGNORECASE)
+
+
+class BadReference(ValueError):
+    """A reference that cannot be used; the API answers 400 naming ``field``."""
+
+    def __init__(self, message: str, field: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+def check_names(names: Sequence[str], references: int, field: str) -> list[str]:
+    """Names paired with references: as many, at most MAX_KNOWN, distinct, non-empty."""
+    clean = [" ".join(str(n).split()) for n in names]
+    if len(clean) != references:
+        raise BadReference(f"{len(clean)} name(s) for {references} reference(s): give one "
+                             "name per reference, in the same order", field)
+    if not clean or len(clean) > MAX_KNOWN:
+        raise BadReference(f"give 1 to {MAX_KNOWN} known speakers", field)
+    if any(not n or len(n) > MAX_NAME for n in clean):
+        raise BadReference(f"a speaker name must be 1-{MAX_NAME} characters", field)
+    if len(set(clean)) != len(clean):
+        raise BadReference("speaker names must be distinct", field)
+    if any(re.fullmatch(r"SPEAKER_\d+", n) for n in clean):
+        raise BadReference("SPEAKER_<n> names are the service's labels for unnamed speakers",
+                             field)
+    return clean
+
+
+def data_url_bytes(url: str, field: str) -> bytes:
+    """The audio inside a base64 ``data:`` URL (OpenAI's known_speaker_references[] format)."""
+    m = DATA_URL.match(url.strip())
+    if m is None:
+        raise BadReference("a reference must be a data URL: data:audio/wav;base64,...", field)
+    if m.group("type") and not m.group("type").lower().startswith(("audio/", "video/",
+                                                                   "application/octet")):
+        raise BadReference(f"a reference must be audio, not {m.group('type')}", field)
+    try:
+        return base64.b64decode(url.strip()[m.end():], validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise BadReference("a reference's base64 data does not decode", field) from exc
+
+
+def decode_reference(data: bytes, field: str) -> np.ndarray:
+    """Blocking (run it on a thread): 16 kHz mono float32 of a reference clip, checked."""
+    from app.audio import decode
+    from app.errors import ServiceError
+
+    with tempfile.NamedTemporaryFile(prefix="reference-") as f:
+        f.write(data)
+        f.flush()
+        try:
+            audio = decode(Path(f.name), MAX_REF_S + 60)
+        except ServiceError as exc:
+            raise BadReference(f"a reference is not usable audio: {exc}", field) from exc
+    seconds = len(audio) / 16_000
+    if not MIN_REF_S <= seconds <= MAX_REF_S:
+        raise BadReference(f"a reference lasts {seconds:.1f} s; give {MIN_REF_S:g}-"
+                             f"{MAX_REF_S:g} s of the speaker alone (2-10 s is plenty)", field)
+    return audio
+
+
+async def voiceprint(diarizer: Diarizer, audio: np.ndarray) -> np.ndarray | None:
+    """The normalised mean CAM++ embedding of a clip's 1.5 s crops of speech (None: the
+    segmentation model heard no speech in it)."""
+    stream = diarizer.stream()
+    await stream.feed(audio, 0.0)
+    await stream.finish()
+    if not stream.embeddings:
+        return None
+    return unit_mean(np.stack(stream.embeddings))
+
+
+def unit_mean(x: np.ndarray) -> np.ndarray:
+    x = np.asarray(x, dtype=np.float64)
+    x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+    m = x.mean(0)
+    out: np.ndarray = m / max(float(np.linalg.norm(m)), 1e-12)
+    return out
+
+
+async def known_voices(diarizer: Diarizer, names: Sequence[str], clips: Sequence[bytes],
+                       field: str) -> list[dict[str, Any]]:
+    """``[{"name", "voice"}]`` for the job's options, from the (checked) names and clips."""
+    out = []
+    for name, data in zip(names, clips, strict=True):
+        audio = await asyncio.to_thread(decode_reference, data, field)
+        voice = await voiceprint(diarizer, audio)
+        if voice is None:
+            raise BadReference(f"no speech found in the reference for {name!r}", field)
+        out.append({"name": name, "voice": [round(float(v), 6) for v in voice]})
+    return out
+
+
+def match(voices: dict[int, np.ndarray], known: Sequence[dict[str, Any]]
+          ) -> tuple[dict[int, str], list[NameMatch]]:
+    """Speakers (cluster index -> voice) named after the references they match, one to one,
+    at cosine >= MATCH_COS; and every reference's outcome. ``NameMatch.speaker`` is filled in
+    with the name itself when matched (the turns carry names, not labels)."""
+    from scipy.optimize import linear_sum_assignment
+
+    if not known:
+        return {}, []
+    ids = sorted(voices)
+    refs = np.array([k["voice"] for k in known], dtype=np.float64)
+    refs /= np.maximum(np.linalg.norm(refs, axis=1, keepdims=True), 1e-12)
+    sim = refs @ np.stack([voices[i] for i in ids]).T if ids else np.zeros((len(known), 0))
+    names: dict[int, str] = {}
+    if ids:
+        for r, c in zip(*linear_sum_assignment(-sim), strict=True):
+            if sim[r, c] >= MATCH_COS:
+                names[ids[c]] = str(known[r]["name"])
+    matched = set(names.values())
+    report = [NameMatch(str(k["name"]), str(k["name"]) if k["name"] in matched else None,
+                        float(sim[r].max()) if ids else -1.0, MATCH_COS)
+              for r, k in enumerate(known)]
+    return names, report
+
+
+def public_options(options: dict[str, Any]) -> dict[str, Any]:
+    """A job's options as the API shows them: known speakers by name (not 192 numbers each)."""
+    known = options.get("known_speakers")
+    if not known:
+        return options
+    return {**options, "known_speakers": [k.get("name") for k in known]}
+
+
+async def reference_voices(service: SpeakerService | None, names: Sequence[str],
+                           clips: Sequence[bytes | str], names_field: str, refs_field: str
+                           ) -> list[dict[str, Any]]:
+    """The API's entry: checked names and clips (bytes, or OpenAI's data URLs) -> the job's
+    ``known_speakers``; a bad reference is a 400 naming its field, no retry. The speaker
+    models are loaded first if nobody has asked for them yet."""
+    from app.errors import NO_RETRY, BadRequest, DiarizationOff
+
+    if service is None:
+        raise DiarizationOff("speaker diarization is not available on this service",
+                             field=refs_field)
+    try:
+        clean = check_names(names, len(clips), names_field)
+        data = [c if isinstance(c, bytes) else data_url_bytes(c, refs_field) for c in clips]
+        return await known_voices(await service.diarizer(), clean, data, refs_field)
+    except BadReference as exc:
+        raise BadRequest(str(exc), field=exc.field, headers=NO_RETRY) from exc
