@@ -118,7 +118,8 @@ def test_verbose_json_shape() -> None:
     res["words"] = [{"word": "Hi.", "start": 0.1, "end": 0.5, "probability": 0.9}]
     out = verbose_json(res, "transcribe", words=True)
     assert out["language"] == "english" and out["task"] == "transcribe"
-    assert out["words"] == [{"word": "Hi.", "start": 0.1, "end": 0.5}]
+    # The word's probability, as /transcribe has it (issue 36: OpenAI's words have none).
+    assert out["words"] == [{"word": "Hi.", "start": 0.1, "end": 0.5, "probability": 0.9}]
     assert set(out["segments"][0]) >= {"id", "start", "end", "text", "tokens", "avg_logprob",
                                        "compression_ratio", "no_speech_prob", "temperature"}
     assert "words" not in verbose_json(res, "transcribe", words=False)

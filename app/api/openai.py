@@ -24,9 +24,10 @@ shape of OpenAI's diarization model (``TranscriptionDiarized`` in the ``openai``
 ``duration``, ``text``, ``segments`` of ``type`` ``transcript.text.segment`` with ``id``,
 ``speaker``, ``start``, ``end``, ``text``, and ``usage`` by duration). Speakers are named as
 OpenAI names them without known speakers: ``A``, ``B``, ... in order of first appearance.
-``model`` may be ``gpt-4o-transcribe-diarize`` (what clients of that model send); its
-``chunking_strategy`` is accepted and changes nothing (uploads are always cut at pauses by the
-VAD). ``known_speaker_names[]`` with ``known_speaker_references[]`` (data URLs, up to 4) name the
+``model`` may be ``gpt-4o-transcribe-diarize`` (what clients of that model send).
+``chunking_strategy``'s ``server_vad`` object sets the VAD for the request (app/audio/server_vad.py);
+``include[]=logprobs`` adds token log-probabilities (app/logprobs.py).
+``known_speaker_names[]`` with ``known_speaker_references[]`` (data URLs, up to 4) name the
 speakers they match (app/speakers/named.py); unmatched ones keep letters, and the answer's
 ``known_speakers`` says how similar each reference was.
 """
@@ -59,6 +60,7 @@ from app.api.openai_shapes import (
 )
 from app.api.transcribe import HOTWORDS_HELP, accept_upload, decode_options, speaker_options
 from app.api.waiting import ended_or_gone
+from app.audio import server_vad
 from app.errors import (
     NO_RETRY,
     BadRequest,
@@ -177,14 +179,22 @@ async def transcriptions(
     hotwords: Annotated[str | None, Form(max_length=1000, description=HOTWORDS_HELP)] = None,
     # OpenAI's diarization fields (gpt-4o-transcribe-diarize).
     chunking_strategy: Annotated[str | None, Form(
-        max_length=100, description="Accepted for OpenAI's clients; the VAD always cuts.")] = None,
+        max_length=300, description='"auto" (the service\'s VAD settings) or a server_vad '
+        'object: threshold 0-1, prefix_padding_ms 0-5000, silence_duration_ms 0-10000 (also '
+        "as chunking_strategy[...] fields, as the openai client sends it).")] = None,
     known_names: Annotated[list[str] | None, Form(alias="known_speaker_names[]")] = None,
     known_refs: Annotated[list[str] | None, Form(alias="known_speaker_references[]")] = None,
+    include: Annotated[list[str] | None, Form(
+        alias="include[]", description="logprobs: token log-probabilities (json, "
+        "verbose_json, the stream's events).")] = None,
+    include_plain: Annotated[list[str] | None, Form(alias="include")] = None,
     cue: CueOptions = Depends(cue_form),
     idempotency_key: idempotency.KeyHeader = None,
     st: AppState = Depends(ready_state), who: Caller = Depends(caller),
 ) -> Response:
     gran: set[str] = set(granularities or []) | set(granularities_plain or [])
+    logprobs = wants_logprobs([*(include or []), *(include_plain or [])], response_format)
+    vad = await chunking(request, st, chunking_strategy)
     known = None
     if known_names or known_refs:
         if response_format != "diarized_json":
@@ -197,7 +207,7 @@ async def transcriptions(
                                              "known_speaker_references[]")
     return await _run(request, st, who, file, model, "transcribe", language, prompt,
                       response_format, temperature, gran, cue, stream, hotwords, idempotency_key,
-                      known)
+                      known, logprobs, vad)
 
 
 @router.post("/audio/translations", response_model=None, responses=AUDIO_RESPONSES)
@@ -220,8 +230,8 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
                task: str, language: str | None, prompt: str | None, fmt: str,
                temperature: float, gran: set[str], cue: CueOptions | None = None,
                stream: bool = False, hotwords: str | None = None,
-               raw_key: str | None = None, known: list[dict[str, Any]] | None = None
-               ) -> Response:
+               raw_key: str | None = None, known: list[dict[str, Any]] | None = None,
+               logprobs: bool = False, vad: dict[str, float] | None = None) -> Response:
     key = idempotency.parse_key(raw_key)
     check_model(st, model)
     if "word" in gran and fmt != "verbose_json":
@@ -229,8 +239,9 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
                          field="timestamp_granularities[]")
     if stream and fmt not in ("json", "text"):  # issue 21: deltas are text
         raise BadRequest("stream=true needs response_format json or text", field="stream")
-    aligned = fmt in ("verbose_json", "srt", "vtt")
+    aligned = fmt in ("verbose_json", "srt", "vtt") or logprobs  # logprobs: the align pass's
     options = decode_options(st, language, task, None, prompt, temperature, aligned, hotwords)
+    options = replace(options, logprobs=logprobs, vad=vad)
     if fmt == "diarized_json":
         options = speaker_options(st, options, True, None, None, None)
         options = replace(options, known_speakers=known)
@@ -240,7 +251,8 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
         st, file, options, who, check=None if stream else lambda s: _fits(st, s, wait_s),
         idempotency_key=key)
     if stream:  # issue 21: no deadline, the client sees text as windows finish
-        return openai_stream.stream_response(st, job_id, {"X-Batchscribe-Job-Id": job_id})
+        return openai_stream.stream_response(st, job_id, {"X-Batchscribe-Job-Id": job_id},
+                                             logprobs)
     # With a key the job outlives this request: the client's retry (same key) collects it.
     row = await _wait(request, st, job_id, wait_s, cancel_if_gone=key is None)
     headers = {"X-Batchscribe-Job-Id": job_id}
@@ -265,13 +277,41 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
     if row is None or row.status != "done" or row.result is None:
         return _unfinished(job_id, row, headers)
     result = row.result
+    extra = {"logprobs": result.get("logprobs") or []} if logprobs else {}
     if fmt == "json":
-        return JSONResponse({"text": result["text"]}, headers=headers)
+        return JSONResponse({"text": result["text"], **extra}, headers=headers)
     if fmt == "verbose_json":
-        return JSONResponse(verbose_json(result, task, "word" in gran), headers=headers)
+        return JSONResponse({**verbose_json(result, task, "word" in gran), **extra},
+                            headers=headers)
     if fmt == "diarized_json":
         return JSONResponse(diarized_json(result), headers=headers)
     return PlainTextResponse(render(result, fmt, cue), media_type=MEDIA_TYPES[fmt], headers=headers)
+
+
+async def chunking(request: Request, st: AppState, raw: str | None) -> dict[str, float] | None:
+    """``chunking_strategy`` (a string, or the ``chunking_strategy[...]`` fields the openai
+    client sends) as the request's VAD settings; invalid: 400 naming the field."""
+    form = await request.form()  # parsed already for the route: Starlette's cached copy
+    fields = {k[len("chunking_strategy["):-1]: str(v) for k, v in form.multi_items()
+              if k.startswith("chunking_strategy[") and k.endswith("]")}
+    try:
+        settings = server_vad.parse(raw, fields)
+        server_vad.vad_for(st.runner.vad, settings)
+    except server_vad.InvalidChunking as exc:
+        raise BadRequest(str(exc), field="chunking_strategy", headers=NO_RETRY) from exc
+    return settings
+
+
+def wants_logprobs(include: list[str], fmt: str) -> bool:
+    """``include[]``: only ``logprobs``, and only where a response has room for them."""
+    unknown = sorted(set(include) - {"logprobs"})
+    if unknown:
+        raise BadRequest(f"include[] takes logprobs only, not {', '.join(unknown)}",
+                         field="include[]", headers=NO_RETRY)
+    if include and fmt not in ("json", "verbose_json"):
+        raise BadRequest("include[]=logprobs needs response_format json or verbose_json",
+                         field="include[]", headers=NO_RETRY)
+    return bool(include)
 
 
 SPEED_MARGIN = 0.8  # of the measured speed: the estimate must not promise what it cannot keep

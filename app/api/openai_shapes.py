@@ -48,6 +48,7 @@ class VerboseWord(BaseModel):
     word: str
     start: float
     end: float
+    probability: float | None = None  # the model's, mean over the word's tokens (ours)
 
 
 class DiarizedSegment(BaseModel):
@@ -84,8 +85,17 @@ class OpenAIDiarized(BaseModel):
     known_speakers: list[KnownSpeaker] | None = Field(None, exclude_if=lambda v: v is None)
 
 
+class Logprob(BaseModel):
+    """One token's log-probability (``include[]=logprobs``; app/logprobs.py)."""
+
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
 class OpenAITranscription(BaseModel):
-    """json: ``text`` only; verbose_json: every field (``words`` when asked for)."""
+    """json: ``text`` only; verbose_json: every field (``words`` when asked for); both get
+    ``logprobs`` with ``include[]=logprobs``."""
 
     text: str
     task: Literal["transcribe", "translate"] | None = None
@@ -94,6 +104,7 @@ class OpenAITranscription(BaseModel):
     language_probability: float | None = None
     segments: list[VerboseSegment] | None = None
     words: list[VerboseWord] | None = None
+    logprobs: list[Logprob] | None = None
 
 
 def verbose_json(result: dict[str, Any], task: str, words: bool) -> dict[str, Any]:
@@ -113,7 +124,8 @@ def verbose_json(result: dict[str, Any], task: str, words: bool) -> dict[str, An
         ],
     }
     if words:
-        out["words"] = [{"word": w["word"], "start": w["start"], "end": w["end"]}
+        out["words"] = [{"word": w["word"], "start": w["start"], "end": w["end"],
+                         "probability": w.get("probability")}
                         for w in result.get("words") or []]
     return out
 

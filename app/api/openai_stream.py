@@ -28,6 +28,7 @@ from fastapi.responses import StreamingResponse
 
 from app.errors import openai_body
 from app.jobs.store import TERMINAL, JobRow
+from app.logprobs import entries
 from app.state import AppState
 
 log = logging.getLogger(__name__)
@@ -40,19 +41,23 @@ def event(data: dict[str, Any]) -> bytes:
     return f"data: {json.dumps(data, separators=(',', ':'), ensure_ascii=False)}\n\n".encode()
 
 
-def delta_event(delta: str) -> bytes:
-    return event({"type": "transcript.text.delta", "delta": delta, "logprobs": None})
+def delta_event(delta: str, logprobs: list[dict[str, Any]] | None = None) -> bytes:
+    return event({"type": "transcript.text.delta", "delta": delta, "logprobs": logprobs})
 
 
-def stream_response(st: AppState, job_id: str, headers: dict[str, str]) -> StreamingResponse:
+def stream_response(st: AppState, job_id: str, headers: dict[str, str],
+                    logprobs: bool = False) -> StreamingResponse:
     return StreamingResponse(
-        transcript_events(st, job_id), media_type="text/event-stream",
+        transcript_events(st, job_id, logprobs), media_type="text/event-stream",
         # no-transform / X-Accel-Buffering: proxies must not buffer or compress the stream.
         headers={**headers, "Cache-Control": "no-cache, no-transform", "X-Accel-Buffering": "no"},
     )
 
 
-async def transcript_events(st: AppState, job_id: str) -> AsyncIterator[bytes]:
+async def transcript_events(st: AppState, job_id: str, logprobs: bool = False
+                            ) -> AsyncIterator[bytes]:
+    """With ``logprobs``, each delta carries its window's token log-probabilities and the
+    done event all of them (app/logprobs.py), as OpenAI's events do."""
     sent_windows = 0
     text = ""
     ended = False
@@ -60,17 +65,17 @@ async def transcript_events(st: AppState, job_id: str) -> AsyncIterator[bytes]:
         with st.runner.watch(job_id) as changed:
             while True:
                 changed.clear()  # before reading: a change during the reads wakes the next wait
-                for piece in st.runner.finished_prefix(job_id, sent_windows) or ():
+                for piece, probs in _finished(st, job_id, sent_windows, logprobs):
                     sent_windows += 1
                     piece = piece.strip()
                     if piece:
                         delta = f" {piece}" if text else piece
                         text += delta
-                        yield delta_event(delta)
+                        yield delta_event(delta, probs)
                 row = await st.store.get(job_id)
                 if row is None or row.status in TERMINAL:
                     ended = True
-                    for chunk in _end(row, job_id, text):
+                    for chunk in _end(row, job_id, text, logprobs):
                         yield chunk
                     return
                 if st.runner.stopped:  # draining: this job will not finish here
@@ -88,7 +93,16 @@ async def transcript_events(st: AppState, job_id: str) -> AsyncIterator[bytes]:
             task.add_done_callback(_cleanups.discard)
 
 
-def _end(row: JobRow | None, job_id: str, sent: str) -> list[bytes]:
+def _finished(st: AppState, job_id: str, start: int, logprobs: bool
+              ) -> list[tuple[str, list[dict[str, Any]] | None]]:
+    """The texts of the windows finished in order from ``start`` (and their tokens' log-
+    probabilities when asked for)."""
+    if logprobs:
+        return [(w.text, entries([w])) for w in st.runner.finished_windows(job_id, start) or ()]
+    return [(t, None) for t in st.runner.finished_prefix(job_id, start) or ()]
+
+
+def _end(row: JobRow | None, job_id: str, sent: str, logprobs: bool = False) -> list[bytes]:
     if row is None:
         return [event(openai_body(404, f"job {job_id} no longer exists", code="not_found"))]
     if row.status == "failed":
@@ -104,7 +118,8 @@ def _end(row: JobRow | None, job_id: str, sent: str) -> list[bytes]:
             out.append(delta_event(rest))  # the windows not seen here (another replica ran them)
     else:  # the transcript was assembled differently from the windows' texts
         log.warning("stream of job %s: deltas are not a prefix of the final text", job_id)
-    out.append(event({"type": "transcript.text.done", "text": final, "logprobs": None}))
+    every = (row.result.get("logprobs") or []) if logprobs else None
+    out.append(event({"type": "transcript.text.done", "text": final, "logprobs": every}))
     return out
 
 

@@ -188,11 +188,12 @@ class _Probabilities:
 
 
 class SileroStream:
-    """Silero probabilities and faster-whisper's span rules, both incremental."""
+    """Silero probabilities and faster-whisper's span rules, both incremental (``spans``: other
+    rules for one upload, e.g. OpenAI's ``server_vad``: app/audio/server_vad.py)."""
 
-    def __init__(self, vad: SileroVad) -> None:
+    def __init__(self, vad: SileroVad, spans: SpanTracker | None = None) -> None:
         self._probs = _Probabilities(vad)
-        self._spans = SpanTracker(speech_pad_ms=round(vad.pad_s * 1000))
+        self._spans = spans or SpanTracker(speech_pad_ms=round(vad.pad_s * 1000))
         self._samples = 0
 
     def feed(self, samples: np.ndarray) -> list[tuple[int, int]]:

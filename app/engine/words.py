@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from app.engine.decoding import batch_rows
+from app.logprobs import per_token, token_bytes
 from app.windows import (
     HOP_LENGTH,
     N_FRAMES,
@@ -90,6 +91,7 @@ def word_timings(tok: Any, text_tokens: list[int], alignment: Any, window: Windo
                     timing[i]["start"] = timing[i]["end"] - longest
     merge_punctuations(timing, PREPEND_PUNCTUATIONS, APPEND_PUNCTUATIONS)
     timing = [t for t in timing if t["word"]]
+    per_token(timing, text_tokens, probs)  # include[]=logprobs (app/logprobs.py)
     if timing and longest > 0:
         _trim_first_word(timing, median, longest)
     sound = sound_starts(window.audio)
@@ -109,7 +111,8 @@ def word_timings(tok: Any, text_tokens: list[int], alignment: Any, window: Windo
         start = min(max(t["start"], last), span)
         end = min(max(t["end"], start), span)
         out.append(Word(t["word"], round(window.start + start, 3), round(window.start + end, 3),
-                        round(t["probability"], 4), list(t["tokens"])))
+                        round(t["probability"], 4), list(t["tokens"]), t["token_probs"],
+                        token_bytes(tok.tokenizer, t["tokens"])))
         last = start
     return out
 

@@ -31,6 +31,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from app.audio import AudioStream
+from app.audio.server_vad import vad_for
 from app.audio.stream import Chunk
 from app.errors import DiarizationOff, InvalidAudio
 from app.jobs.speakers import JobSpeakers
@@ -107,7 +108,8 @@ class JobFeed:
             self.speakers = JobSpeakers(r.speakers, self.job.id, self.options)
         path = await prep.run(0, r.blobs.fetch, self.job.upload_path)
         try:
-            stream = await prep.run(0, AudioStream, path, r.vad, r.settings.limits.max_audio_s,
+            vad = vad_for(r.vad, self.options.vad)  # chunking_strategy server_vad, if any
+            stream = await prep.run(0, AudioStream, path, vad, r.settings.limits.max_audio_s,
                                     r.settings.prep.chunk_s, self.separate)
             try:
                 await r.job_started(self.job, self.active)

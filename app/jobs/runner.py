@@ -29,11 +29,12 @@ from app.jobs.feed import Active, JobFeed, Outcome
 from app.jobs.prep import PrepPool, prep_threads
 from app.jobs.store import TERMINAL, JobRow, JobStore
 from app.jobs.upkeep import Upkeep
+from app.logprobs import entries as logprob_entries
 from app.metrics import Metrics
 from app.speakers import assign_speakers
 from app.speakers.service import SpeakerService
 from app.transcript import transcript
-from app.windows import JobOptions
+from app.windows import JobOptions, WindowResult
 
 log = logging.getLogger(__name__)
 
@@ -200,12 +201,18 @@ class JobRunner:
         finished yet, in upload order (windows finish in any order; a stream must not skip one).
         None when the job is not active on this replica: queued, ended, or run by another one.
         ``watch`` fires once per finished window, so a reader wakes for each."""
+        done = self.finished_windows(job_id, start)
+        return None if done is None else [r.text for r in done]
+
+    def finished_windows(self, job_id: str, start: int) -> list[WindowResult] | None:
+        """:meth:`finished_prefix`'s windows themselves (their words' token log-probabilities
+        for a stream with ``include[]=logprobs``)."""
         a = self.active.get(job_id)
         if a is None:
             return None
-        out: list[str] = []
+        out: list[WindowResult] = []
         while (r := a.results.get(start + len(out))) is not None:
-            out.append(r.text)
+            out.append(r)
         return out
 
     async def backlog_seconds(self, max_age_s: float = 0.0) -> float:
@@ -311,6 +318,8 @@ class JobRunner:
         job.audio_seconds = out.seconds  # decoded truth, not the header
         result = transcript(out.windows, out.results, out.language, out.seconds,
                             opts.word_timestamps or out.turns is not None, out.channels)
+        if opts.logprobs:  # include[]=logprobs on /v1: per token, OpenAI's shape
+            result["logprobs"] = logprob_entries(out.results)
         if out.turns is not None:  # diarize: speakers on segments and words, split at turns
             result = assign_speakers(result, out.turns)
             if not opts.word_timestamps:

@@ -1,0 +1,122 @@
+"""OpenAI's ``chunking_strategy`` mapped onto this service's VAD, for one request.
+
+OpenAI's transcription API takes ``chunking_strategy``: ``"auto"``, or a ``server_vad`` object
+``{"type": "server_vad", "threshold", "prefix_padding_ms", "silence_duration_ms"}``. The
+``openai`` client sends the object as form fields ``chunking_strategy[type]``,
+``chunking_strategy[threshold]``, ...; a JSON string in ``chunking_strategy`` is read too.
+Uploads here are always cut at pauses by Silero VAD with faster-whisper's span rules
+(app/audio/spans.py), whose three knobs are the same three things:
+
+- ``threshold`` -> the speech probability that starts speech (``SpanTracker.threshold``; speech
+  ends below ``threshold - 0.15``, faster-whisper's hysteresis), 0-1, default 0.5;
+- ``prefix_padding_ms`` -> the padding kept around each speech span (``speech_pad_ms``; the
+  service pads both sides, as faster-whisper does), 0-5000 ms, default the service's
+  ``prep.speech_pad_s`` (1.4 s);
+- ``silence_duration_ms`` -> how long a pause must last to end a span (``min_silence_ms``),
+  0-10000 ms, default 160.
+
+A field left out keeps the service's default, not OpenAI's realtime defaults (300 ms padding,
+200 ms silence), which would change every transcript. Spans then become <= 30 s windows as
+always, so the knobs decide what audio reaches the model and where windows start and end.
+Invalid values (unknown type or field, out of range, not a number) are a 400 in OpenAI's shape
+naming ``chunking_strategy``. With the pyannote VAD (``BATCHSCRIBE_PREP__VAD=pyannote``) a
+``server_vad`` object is refused: its rules are whisperx's, with no such knobs.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from app.audio.spans import SpanTracker
+from app.audio.vad import SileroStream, SileroVad, Vad, VadStream, whole
+
+FIELD = "chunking_strategy"
+LIMITS = {"threshold": (0.0, 1.0), "prefix_padding_ms": (0, 5000),
+          "silence_duration_ms": (0, 10_000)}
+MIN_SILENCE_MS = 160  # the service's (SpanTracker's default)
+
+
+class InvalidChunking(ValueError):
+    """Not a chunking strategy this service can follow; the API answers 400."""
+
+
+def parse(raw: str | None, fields: Mapping[str, str]) -> dict[str, float] | None:
+    """The request's ``server_vad`` settings (only those given), or None for ``auto``/absent.
+    ``fields``: the form's ``chunking_strategy[...]`` fields, by their inner name."""
+    obj: dict[str, Any]
+    if fields:
+        if raw is not None:
+            raise InvalidChunking("give chunking_strategy as a string or as fields, not both")
+        obj = dict(fields)
+    elif raw is None or raw.strip() == "auto":
+        return None
+    else:
+        try:
+            loaded = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidChunking('chunking_strategy is "auto" or a server_vad object') from exc
+        if not isinstance(loaded, dict):
+            raise InvalidChunking('chunking_strategy is "auto" or a server_vad object')
+        obj = loaded
+    if obj.get("type") != "server_vad":
+        raise InvalidChunking(f"chunking_strategy type must be server_vad, not {obj.get('type')!r}")
+    unknown = sorted(set(obj) - {"type", *LIMITS})
+    if unknown:
+        raise InvalidChunking(f"unknown chunking_strategy field(s): {', '.join(unknown)}")
+    out: dict[str, float] = {}
+    for name, (lo, hi) in LIMITS.items():
+        if name not in obj:
+            continue
+        value = _number(obj[name], name, integer=isinstance(lo, int))
+        if not lo <= value <= hi:
+            raise InvalidChunking(f"chunking_strategy {name} must be {lo}-{hi}, got {value}")
+        out[name] = value
+    return out
+
+
+def _number(v: Any, name: str, integer: bool) -> float:
+    try:
+        f = float(v) if not isinstance(v, bool) else math.nan
+    except (TypeError, ValueError):
+        f = math.nan
+    if not math.isfinite(f) or (integer and f != int(f)):
+        kind = "an integer" if integer else "a number"
+        raise InvalidChunking(f"chunking_strategy {name} must be {kind}, got {v!r}")
+    return int(f) if integer else f
+
+
+def tracker(settings: Mapping[str, float], pad_s: float) -> SpanTracker:
+    """faster-whisper's span rules with the request's settings over the service's."""
+    return SpanTracker(
+        threshold=float(settings.get("threshold", 0.5)),
+        min_silence_ms=int(settings.get("silence_duration_ms", MIN_SILENCE_MS)),
+        speech_pad_ms=int(settings.get("prefix_padding_ms", round(pad_s * 1000))))
+
+
+class TunedVad:
+    """The service's Silero VAD, its spans cut by one request's ``server_vad`` settings."""
+
+    def __init__(self, vad: SileroVad, settings: Mapping[str, float]) -> None:
+        self.vad = vad
+        self.settings = dict(settings)
+
+    def stream(self) -> VadStream:
+        return SileroStream(self.vad, tracker(self.settings, self.vad.pad_s))
+
+    def speech(self, audio: np.ndarray) -> list[tuple[float, float]]:
+        return whole(self, audio)
+
+
+def vad_for(vad: Vad, settings: Mapping[str, float] | None) -> Vad:
+    """The VAD a job's upload is cut with: the service's, or tuned by its ``server_vad``."""
+    if not settings:
+        return vad
+    if not isinstance(vad, SileroVad):
+        raise InvalidChunking("chunking_strategy server_vad needs the Silero VAD; this service "
+                              "runs the pyannote one (prep.vad)")
+    return TunedVad(vad, settings)
