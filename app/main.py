@@ -153,7 +153,7 @@ def create_app(settings: Settings | None = None,
                            speakers=speakers)
         outbound = OutboundGuard(settings.outbound)
         st = AppState(settings=settings, metrics=metrics, store=store, spool_dir=spool,
-                      languages=transcribe.whisper_languages(), runner=runner, batcher=batcher,
+                      runner=runner, batcher=batcher,
                       engine=runner_engine, monitor=monitor, outbound=outbound,
                       feeds=EventHub(settings.limits.max_event_streams_per_key))
         sizing = {"engines": [z.as_dict() for z in sizings],

@@ -34,7 +34,6 @@ class AppState:
     metrics: Metrics
     store: JobStore
     spool_dir: Path
-    languages: frozenset[str]
     runner: JobRunner
     batcher: Batcher
     engine: EnginePool  # the engines (one per GPU) behind the batcher

@@ -36,37 +36,42 @@ def test_the_beam_follows_the_language() -> None:
     assert old.decode_options().beam_for("fr") == 2
 
 
-def test_the_api_resolves_the_default_beams() -> None:
-    from app.api.transcribe import default_beams
+def test_the_default_beams_follow_the_language() -> None:
+    """The policy (app/engine/languages.py): English and the rest at their own default beam."""
+    from app.engine.languages import default_beams
 
-    class St:
-        settings = Settings()
+    assert default_beams(None, None, 1, 5) == (1, 5)  # detected: the engine decides per window
+    assert default_beams("en", None, 1, 5) == (1, None)
+    assert default_beams("fr", None, 1, 5) == (5, None)
+    assert default_beams(None, 3, 1, 5) == (3, None)  # the request's beam holds for every language
+    assert default_beams("fr", 1, 1, 5) == (1, None)
+    assert default_beams(None, None, 1, 1) == (1, None)
 
-    st: Any = St()
-    assert default_beams(st, None, None) == (1, 5)  # detected: the engine decides per window
-    assert default_beams(st, "en", None) == (1, None)
-    assert default_beams(st, "fr", None) == (5, None)
-    assert default_beams(st, None, 3) == (3, None)  # the request's beam holds for every language
-    assert default_beams(st, "fr", 1) == (1, None)
-    st.settings = Settings(default_beam_size_other=1)
-    assert default_beams(st, None, None) == (1, None)
+
+def test_the_language_list_is_whispers() -> None:
+    """The engine side's plain list of codes and names is the tokenizer's (faster-whisper keeps
+    it as a private constant, which the API used to import)."""
+    from faster_whisper.tokenizer import _LANGUAGE_CODES
+
+    from app.engine.languages import CODES, LANGUAGES
+
+    assert frozenset(_LANGUAGE_CODES) == CODES and len(LANGUAGES) == 100
+    assert LANGUAGES["en"] == "english" and LANGUAGES["yue"] == "cantonese"
 
 
 def test_a_request_carries_both_beams_unless_it_samples() -> None:
     from app.api.transcribe import decode_options
 
-    class St:
-        settings = Settings()
-        languages = frozenset({"en", "de"})
-
-    st: Any = St()
-    greedy = decode_options(st, None, "transcribe", None, None)
+    settings = Settings()
+    greedy = decode_options(settings, None, "transcribe", None, None)
     assert (greedy.beam_size, greedy.other_beam_size) == (1, 5)
     assert greedy.decode_options().beam_for("de") == 5
-    sampled = decode_options(st, None, "transcribe", None, None, temperature=0.4)
+    sampled = decode_options(settings, None, "transcribe", None, None, temperature=0.4)
     assert (sampled.beam_size, sampled.other_beam_size) == (1, None)
-    german = decode_options(st, "de", "transcribe", None, None)
+    german = decode_options(settings, "de", "transcribe", None, None)
     assert (german.beam_size, german.other_beam_size) == (5, None)
+    assert decode_options(Settings(default_beam_size_other=1), None, "transcribe", None,
+                          None).other_beam_size is None
 
 
 def _windows(clips: list[Clip]) -> list[Window]:

@@ -35,6 +35,7 @@ from fastapi.responses import JSONResponse, Response
 from app.api.deps import Caller, caller, cue_query, ready_state
 from app.api.transcribe import accept_upload, decode_options, spool_upload
 from app.api.waiting import wait_for_job
+from app.engine.languages import LANGUAGES
 from app.errors import InvalidAudio, PayloadTooLarge
 from app.formats import CueOptions, render, segment_words
 from app.schemas import ErrorBody
@@ -144,7 +145,7 @@ async def asr(
 ) -> Response:
     # Subtitles are cut from word times (sentence-sized cues), as on /v1.
     aligned = word_timestamps or output in ("srt", "vtt", "tsv")
-    options = decode_options(st, language, task, None, initial_prompt, 0.0, aligned)
+    options = decode_options(st.settings, language, task, None, initial_prompt, 0.0, aligned)
     job_id = await accept_upload(st, audio_file, options, who, spool=_spooler(encode))
     row = await wait_for_job(request, st, job_id)
     assert row.result is not None
@@ -160,8 +161,6 @@ async def detect_language(
     st: AppState = Depends(ready_state), who: Caller = Depends(caller),
 ) -> JSONResponse:
     """The language of the first speech window (raw PCM: of its first five minutes)."""
-    from whisperx.utils import LANGUAGES  # a plain dict module: no torch import
-
     job_id = await accept_upload(st, audio_file, JobOptions(detect_only=True), who,
                                  spool=_spooler(encode, DETECT_HEAD_S))
     row = await wait_for_job(request, st, job_id)

@@ -218,7 +218,7 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
     if stream and fmt not in ("json", "text"):  # issue 21: deltas are text
         raise BadRequest("stream=true needs response_format json or text", field="stream")
     aligned = fmt in ("verbose_json", "srt", "vtt")
-    options = decode_options(st, language, task, None, prompt, temperature, aligned, hotwords)
+    options = decode_options(st.settings, language, task, None, prompt, temperature, aligned, hotwords)
     if fmt == "diarized_json":
         options = speaker_options(st, options, True, None, None, None)
     wait_s = min(st.settings.limits.sync_timeout_s, st.settings.limits.openai_wait_s)

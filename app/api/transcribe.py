@@ -20,6 +20,8 @@ from app.api import idempotency
 from app.api.deps import Caller, caller, job_answer, ready_state
 from app.api.json_form import JsonFormRoute
 from app.api.limits import admitted
+from app.config import Settings
+from app.engine import languages
 from app.errors import NO_RETRY, BadRequest, DiarizationOff, InvalidAudio, PayloadTooLarge, ServiceError
 from app.jobs.runner import new_job_id
 from app.jobs.webhooks import check_callback_url
@@ -33,12 +35,6 @@ router = APIRouter(tags=["transcription"], route_class=JsonFormRoute)
 ERRORS: dict[int | str, dict[str, object]] = {
     code: {"model": ErrorBody} for code in (400, 413, 415, 422, 429, 502, 503)
 }
-
-
-def whisper_languages() -> frozenset[str]:
-    from faster_whisper.tokenizer import _LANGUAGE_CODES
-
-    return frozenset(_LANGUAGE_CODES)
 
 
 HOTWORDS_HELP = ("Words or phrases to bias the transcript towards (names, jargon), as in "
@@ -82,28 +78,16 @@ def speaker_options(st: AppState, options: JobOptions, diarize: bool, num_speake
                    channels=channels)  # type: ignore[arg-type]
 
 
-def default_beams(st: AppState, language: str | None, beam_size: int | None,
-                  ) -> tuple[int, int | None]:
-    """(beam, beam of windows not in English): the request's beam for all; else the defaults,
-    for English and for the rest (:attr:`Settings.default_beam_size_other`), decided now when
-    the language is given and by the engine per window when it is detected."""
-    if beam_size:
-        return beam_size, None
-    english, other = st.settings.default_beam_size, st.settings.default_beam_size_other
-    if language is not None:
-        return (english if language == "en" else other), None
-    return english, (other if other != english else None)
-
-
-def decode_options(st: AppState, language: str | None, task: str, beam_size: int | None,
+def decode_options(settings: Settings, language: str | None, task: str, beam_size: int | None,
                    initial_prompt: str | None, temperature: float = 0.0,
                    word_timestamps: bool = False, hotwords: str | None = None,
                    language_detection: str = "per_upload") -> JobOptions:
     lang = (language or "").strip().lower() or None
-    if lang is not None and lang not in st.languages:
+    if lang is not None and lang not in languages.CODES:
         raise BadRequest(f"unknown language {language!r}; use an ISO 639-1 code such as 'en'",
                          field="language")
-    beam, other = default_beams(st, lang, beam_size)
+    beam, other = languages.default_beams(lang, beam_size, settings.default_beam_size,
+                                          settings.default_beam_size_other)
     if temperature > 0:
         other = None  # sampling ignores the beam: no second generate per batch for it
     return JobOptions(
@@ -243,7 +227,7 @@ async def transcribe(
 ) -> JSONResponse:
     # A key already known was answered before the body was read (idempotency.IdempotencyGate).
     key = idempotency.parse_key(idempotency_key)
-    options = decode_options(st, language, task, beam_size, initial_prompt, temperature,
+    options = decode_options(st.settings, language, task, beam_size, initial_prompt, temperature,
                              word_timestamps, hotwords, language_detection)
     options = speaker_options(st, options, diarize, num_speakers, min_speakers, max_speakers,
                               channels)
