@@ -160,7 +160,7 @@ async def test_speaker_named_transcript_of_the_sample(diarizer: Diarizer, engine
     the 12 speaker changes may fall on either side."""
     from app import audio as audio_mod
     from app.audio.vad import SileroVad
-    from app.transcript import transcript
+    from app.results.transcript import transcript
     from app.windows import DecodeOptions, Prompt
 
     _, samples = sample_audio()

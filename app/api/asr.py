@@ -23,7 +23,6 @@ Unknown query parameters (Bazarr's ``video_file``) are ignored, as they are ther
 
 from __future__ import annotations
 
-import json
 import wave
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -33,12 +32,13 @@ from fastapi import APIRouter, Depends, File, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
 from app.api.deps import Caller, caller, cue_query, ready_state
+from app.api.schemas import ErrorBody
 from app.api.transcribe import accept_upload, decode_options, spool_upload
 from app.api.waiting import wait_for_job
 from app.engine.languages import LANGUAGES
 from app.errors import InvalidAudio, PayloadTooLarge
-from app.formats import CueOptions, render, segment_words
-from app.schemas import ErrorBody
+from app.results.asr import asr_body
+from app.results.formats import CueOptions
 from app.state import AppState
 from app.windows import SAMPLE_RATE, JobOptions
 
@@ -99,33 +99,6 @@ def _spooler(encode: bool, head_s: float | None = None) -> Any:
     if encode:
         return spool_upload
     return lambda src, dest, max_bytes: spool_pcm(src, dest, max_bytes, head_s)
-
-
-def asr_json(result: dict[str, Any], words: bool) -> dict[str, Any]:
-    """faster-whisper's result as whisper-asr-webservice writes it: ``language``, ``segments``
-    (``dataclasses.asdict`` of faster-whisper's Segment, texts with Whisper's leading space) and
-    ``text``, their concatenation."""
-    segments = []
-    for k, (s, ws) in enumerate(segment_words(result)):
-        segments.append({
-            "id": k + 1, "seek": s.get("seek", 0), "start": s["start"], "end": s["end"],
-            "text": " " + str(s["text"]).strip(), "tokens": s.get("tokens", []),
-            "avg_logprob": s.get("avg_logprob"), "compression_ratio": s.get("compression_ratio"),
-            "no_speech_prob": s.get("no_speech_prob"),
-            "words": [{"start": w["start"], "end": w["end"], "word": " " + str(w["word"]).strip(),
-                       "probability": w.get("probability")} for w in ws or []] if words else None,
-            "temperature": s.get("temperature"),
-        })
-    return {"language": result.get("language"), "segments": segments,
-            "text": "".join(s["text"] for s in segments)}
-
-
-def asr_body(result: dict[str, Any], output: str, words: bool, cue: CueOptions) -> str:
-    if output == "json":
-        return json.dumps(asr_json(result, words), ensure_ascii=False)
-    if output == "txt":  # one line per segment
-        return "".join(f"{s['text'].strip()}\n" for s, _ in segment_words(result))
-    return render(result, output, cue)
 
 
 @router.post("/asr", response_class=Response, responses=TEXT_ANSWER)

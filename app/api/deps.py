@@ -8,10 +8,10 @@ from typing import Annotated
 from fastapi import Form, Query, Request
 from fastapi.responses import JSONResponse
 
+from app.api.schemas import Job, Progress, Transcription, WebhookState
 from app.errors import NotFound, NotReady, public_error
-from app.formats import LINE_CHARS, CueOptions
 from app.jobs.store import TERMINAL, JobRow
-from app.schemas import Job, Progress, Transcription, WebhookState
+from app.results.formats import LINE_CHARS, CueOptions
 from app.state import AppState
 
 

@@ -23,7 +23,7 @@ from fastapi.responses import StreamingResponse
 
 from app.api.deps import Caller, caller, load_job, state
 from app.api.feeds import KEEPALIVE_S, FeedResponse, Subscription
-from app.schemas import ErrorBody
+from app.api.schemas import ErrorBody
 from app.state import AppState
 
 router = APIRouter(tags=["jobs"])

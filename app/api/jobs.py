@@ -9,9 +9,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from app.api.deps import Caller, caller, cue_query, load_job, state, to_job
 from app.api.limits import GATE_MAX_AGE_S
+from app.api.schemas import ErrorBody, Job, JobList
 from app.errors import BadRequest, Conflict, public_error
-from app.formats import MEDIA_TYPES, CueOptions, Format, render
-from app.schemas import ErrorBody, Job, JobList
+from app.results.formats import MEDIA_TYPES, CueOptions, Format, render
 from app.state import AppState
 
 router = APIRouter(tags=["jobs"])

@@ -46,15 +46,6 @@ from starlette.routing import Match
 
 from app.api import idempotency, openai_stream
 from app.api.deps import Caller, caller, cue_form, ready_state, state
-from app.api.openai_shapes import (
-    ModelCard,
-    ModelList,
-    OpenAIDiarized,
-    OpenAIError,
-    OpenAITranscription,
-    diarized_json,
-    verbose_json,
-)
 from app.api.transcribe import HOTWORDS_HELP, accept_upload, decode_options, speaker_options
 from app.api.waiting import ended_or_gone
 from app.errors import (
@@ -66,8 +57,17 @@ from app.errors import (
     public_error,
     status_of,
 )
-from app.formats import MEDIA_TYPES, CueOptions, render
 from app.jobs.store import TERMINAL, JobRow
+from app.results.formats import MEDIA_TYPES, CueOptions, render
+from app.results.openai import (
+    ModelCard,
+    ModelList,
+    OpenAIDiarized,
+    OpenAIError,
+    OpenAITranscription,
+    diarized_json,
+    verbose_json,
+)
 from app.state import AppState
 
 ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt", "diarized_json"]

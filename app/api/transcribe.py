@@ -20,13 +20,13 @@ from app.api import idempotency
 from app.api.deps import Caller, caller, job_answer, ready_state
 from app.api.json_form import JsonFormRoute
 from app.api.limits import admitted
+from app.api.schemas import ErrorBody, Job
 from app.config import Settings
 from app.engine import languages
 from app.errors import NO_RETRY, BadRequest, DiarizationOff, InvalidAudio, PayloadTooLarge, ServiceError
 from app.jobs.runner import new_job_id
 from app.jobs.webhooks import check_callback_url
 from app.remote import fetch_audio
-from app.schemas import ErrorBody, Job
 from app.state import AppState
 from app.windows import JobOptions
 

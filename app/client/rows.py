@@ -66,9 +66,9 @@ def output_row(row: Row, job: dict[str, Any], extras: Extras,
 
 
 def write_subtitles(result: dict[str, Any], fmt: str, path: Path) -> Path:
-    """srt/vtt from the job's segments, rendered as the service renders them (app.formats).
+    """srt/vtt from the job's segments, rendered as the service renders them (app.results.formats).
     Written before the row is recorded: a rerun rewrites the same file."""
-    from app.formats import render  # srt only; nothing of the service's engine
+    from app.results.formats import render  # srt only; nothing of the service's engine
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")

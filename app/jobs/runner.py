@@ -30,9 +30,9 @@ from app.jobs.prep import PrepPool, prep_threads
 from app.jobs.store import TERMINAL, JobRow, JobStore
 from app.jobs.upkeep import Upkeep
 from app.metrics import Metrics
+from app.results.transcript import transcript
 from app.speakers import assign_speakers
 from app.speakers.service import SpeakerService
-from app.transcript import transcript
 from app.windows import JobOptions
 
 log = logging.getLogger(__name__)
