@@ -43,7 +43,7 @@ from app.jobs.runner import JobRunner
 from app.jobs.store import JobStore, StoreInUse, lock_sqlite
 from app.jobs.webhooks import WebhookDispatcher
 from app.metrics import Metrics
-from app.outbound import OutboundGuard
+from app.net.outbound import OutboundGuard
 from app.security import install_security
 from app.speakers.service import SpeakerService
 from app.state import AppState

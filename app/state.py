@@ -16,7 +16,7 @@ from app.engine.placement import EnginePool
 from app.jobs.runner import JobRunner
 from app.jobs.store import JobStore
 from app.metrics import Metrics
-from app.outbound import OutboundGuard
+from app.net.outbound import OutboundGuard
 
 RECENT_SPEED_S = 300.0  # the window "current speed" is measured over
 MIN_BUSY_S = 5.0  # engine time that window needs before it is trusted over the whole run

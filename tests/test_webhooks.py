@@ -24,7 +24,7 @@ from app.config import OutboundSettings, Settings, WebhookSettings
 from app.errors import BadRequest
 from app.jobs.store import JobStore
 from app.jobs.webhooks import WebhookDispatcher, check_callback_url, sign, verify
-from app.outbound import OutboundGuard
+from app.net.outbound import OutboundGuard
 from tests.conftest import READ_SPEECH, Clip, Server
 from tests.test_outbound import PUBLIC, stub
 

@@ -26,7 +26,7 @@ from app.engine import languages
 from app.errors import NO_RETRY, BadRequest, DiarizationOff, InvalidAudio, PayloadTooLarge, ServiceError
 from app.jobs.runner import new_job_id
 from app.jobs.webhooks import check_callback_url
-from app.remote import fetch_audio
+from app.net.fetch import fetch_audio
 from app.state import AppState
 from app.windows import JobOptions
 

@@ -25,6 +25,7 @@ from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from app.config import StorageSettings
+from app.net.s3 import s3_client, s3_location
 
 log = logging.getLogger(__name__)
 
@@ -103,23 +104,6 @@ class LocalBlobs:
             except FileNotFoundError:  # deleted by a replica meanwhile
                 continue
         return out
-
-
-def s3_location(url: str) -> tuple[str, str]:
-    """``s3://bucket/a/b`` -> ("bucket", "a/b"); ValueError for anything else."""
-    u = urlparse(url)
-    if u.scheme != "s3" or not u.netloc:
-        raise ValueError(f"not an s3://bucket/key URL: {url!r}")
-    return u.netloc, u.path.lstrip("/")
-
-
-def s3_client(endpoint_url: str = "", config: Any = None) -> Any:
-    """A boto3 S3 client on the usual AWS_* credentials (boto3 is imported only here)."""
-    try:
-        import boto3
-    except ImportError as exc:
-        raise RuntimeError("s3:// storage needs boto3 (pip install boto3)") from exc
-    return boto3.client("s3", endpoint_url=endpoint_url or None, config=config)
 
 
 class S3Blobs:

@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from app.config import WebhookSettings
 from app.errors import BadRequest, public_error
 from app.jobs.store import JobRow, JobStore, claim_rows, db_now, jobs
-from app.outbound import OutboundError, OutboundGuard
+from app.net.outbound import OutboundError, OutboundGuard
 
 log = logging.getLogger(__name__)
 
