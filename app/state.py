@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections import defaultdict, deque
@@ -41,6 +42,7 @@ class AppState:
     outbound: OutboundGuard  # every request to a URL a client named (webhooks, audio_url)
     feeds: EventHub  # event streams: one store reader per watched job, capped per key
     ready: bool = False
+    admission: asyncio.Lock = field(default_factory=asyncio.Lock)  # one backlog check at a time
     # Per API key: audio seconds and jobs admitted whose rows are not committed yet (see
     # api.limits.admitted), and the last (monotonic time, seconds, jobs) read from the store.
     key_admitting_s: defaultdict[str | None, float] = field(

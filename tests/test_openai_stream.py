@@ -15,7 +15,7 @@ import wave
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from openai import APIError, OpenAI
 
 from app import audio
 from app.api import openai_stream
-from app.jobs.runner import Active
+from app.jobs.work import Active
 from app.windows import SAMPLE_RATE, JobOptions, WindowResult
 from tests import test_jobs
 from tests.conftest import Clip, Server
@@ -70,7 +70,7 @@ async def test_every_window_is_readable_when_its_change_fires(
         seen.append(rig.runner.finished_prefix(job_id, 0))
         changed(job_id)
 
-    rig.runner.changed = spy  # type: ignore[method-assign]
+    rig.runner.tools = replace(rig.runner.tools, changed=spy)  # what a job's work reports to
     upload = rig.tmp / "j1"
     upload.write_bytes(clip.path.read_bytes())
     await rig.runner.submit("j1", upload, clip.path.name, JobOptions(), clip.duration_s, None)

@@ -49,7 +49,7 @@ async def list_jobs(
                              headers={"x-should-retry": "false"})
         found = {r.id: r for r in await st.store.get_many(wanted, who.owner)}
         rows = [found[i] for i in wanted if i in found]
-    backlog = await st.runner.backlog_seconds(GATE_MAX_AGE_S)
+    backlog = await st.runner.backlog.seconds(GATE_MAX_AGE_S)
     response.headers["X-Backlog-Seconds"] = f"{backlog:.1f}"
     response.headers["X-Backlog-Limit-Seconds"] = f"{st.settings.limits.max_backlog_s:.0f}"
     return JobList(jobs=[to_job(r, st) for r in rows])

@@ -136,7 +136,7 @@ async def admit(st: AppState, audio_s: float, max_age_s: float = 0.0) -> None:
     second over the last minutes of batches, see ``AppState.retry_after_s``), to work the
     backlog down far enough for this upload.
     """
-    backlog = await st.runner.backlog_seconds(max_age_s)
+    backlog = await st.runner.backlog.seconds(max_age_s)
     limit = st.settings.limits.max_backlog_s
     if backlog + audio_s > limit:
         retry = st.retry_after_s(backlog + audio_s - limit)
@@ -207,16 +207,16 @@ async def admitted(st: AppState, audio_s: float, owner: str | None = None) -> As
     (an S3 put each, with that blob store) run outside the lock.
     """
     cost = cost_of(st, audio_s)
-    async with st.runner.admission:
+    async with st.admission:
         await admit_key(st, owner, cost)
         await admit(st, cost)
-        st.runner.admitting_s += cost
+        st.runner.backlog.admitting_s += cost
         st.key_admitting_s[owner] += cost
         st.key_admitting_jobs[owner] += 1
     try:
         yield
     finally:
-        st.runner.admitting_s -= cost
+        st.runner.backlog.admitting_s -= cost
         st.key_admitting_s[owner] -= cost
         st.key_admitting_jobs[owner] -= 1
         if st.key_admitting_jobs[owner] <= 0:

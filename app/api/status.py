@@ -87,9 +87,9 @@ async def status(st: AppState = Depends(state)) -> Status:
     span, throughput, rtf, batch = meter.read(st)
     try:
         jobs = await asyncio.wait_for(st.store.counts(), STORE_TIMEOUT_S)
-        backlog = await asyncio.wait_for(st.runner.backlog_seconds(1.0), STORE_TIMEOUT_S)
+        backlog = await asyncio.wait_for(st.runner.backlog.seconds(1.0), STORE_TIMEOUT_S)
     except Exception:  # a slow store must not hang the page: show what memory holds
-        jobs, backlog = {}, st.runner.admitting_s
+        jobs, backlog = {}, st.runner.backlog.admitting_s
     info = st.engine.engine.info
     return Status(ready=st.ready, model=PurePath(info.model).name, device=info.device,
                   workers=st.engine.workers, backlog_s=round(backlog, 1),

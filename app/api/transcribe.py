@@ -24,6 +24,7 @@ from app.api.schemas import ErrorBody, Job
 from app.config import Settings
 from app.engine import languages
 from app.errors import NO_RETRY, BadRequest, DiarizationOff, InvalidAudio, PayloadTooLarge, ServiceError
+from app.jobs.blobs import drop_upload
 from app.jobs.runner import new_job_id
 from app.jobs.webhooks import check_callback_url
 from app.net.fetch import fetch_audio
@@ -177,7 +178,7 @@ async def accept_upload(st: AppState, file: UploadFile | None, options: JobOptio
         dest.unlink(missing_ok=True)
         raise
     if first is not None:  # a concurrent request with this key won: this upload is not needed
-        await st.runner.drop_upload(st.runner.blobs.key(dest))
+        await drop_upload(st.runner.blobs, st.runner.blobs.key(dest))
         dest.unlink(missing_ok=True)
         return first
     return job_id

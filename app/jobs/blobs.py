@@ -16,6 +16,7 @@ Every method blocks (disk or network): callers run them on a worker thread.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -166,6 +167,15 @@ def make_blobs(storage: StorageSettings) -> BlobStore:
     if url.startswith("file://"):
         url = urlparse(url).path
     return LocalBlobs(Path(url) if url else storage.data_dir / "uploads")
+
+
+async def drop_upload(blobs: BlobStore, key: str) -> None:
+    """Remove a job's upload, off the event loop; a failure is logged, never raised (the
+    orphan sweep retries; a finished job must not fail for this)."""
+    try:
+        await asyncio.to_thread(blobs.delete, key)
+    except Exception as exc:
+        log.warning("cannot remove upload %s: %s", key, exc)
 
 
 def fsync_path(path: Path) -> None:
