@@ -31,15 +31,15 @@ from urllib.parse import quote
 from fastapi import APIRouter, Depends, File, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
-from app.api.deps import Caller, caller, cue_query, ready_state
+from app.api.deps import Caller, caller, cue_query, ready_door
 from app.api.schemas import ErrorBody
 from app.api.transcribe import accept_upload, decode_options, spool_upload
 from app.api.waiting import wait_for_job
 from app.engine.languages import LANGUAGES
 from app.errors import InvalidAudio, PayloadTooLarge
+from app.jobs.door import Door
 from app.results.asr import asr_body
 from app.results.formats import CueOptions
-from app.state import AppState
 from app.windows import SAMPLE_RATE, JobOptions
 
 router = APIRouter(tags=["whisper-asr-webservice"])
@@ -113,14 +113,14 @@ async def asr(
     word_timestamps: Annotated[bool, Query(description="Word times in the json output.")] = False,
     output: Annotated[Output, Query()] = "txt",
     cue: CueOptions = Depends(cue_query),
-    st: AppState = Depends(ready_state),
+    d: Door = Depends(ready_door),
     who: Caller = Depends(caller),
 ) -> Response:
     # Subtitles are cut from word times (sentence-sized cues), as on /v1.
     aligned = word_timestamps or output in ("srt", "vtt", "tsv")
-    options = decode_options(st.settings, language, task, None, initial_prompt, 0.0, aligned)
-    job_id = await accept_upload(st, audio_file, options, who, spool=_spooler(encode))
-    row = await wait_for_job(request, st, job_id)
+    options = decode_options(d.settings, language, task, None, initial_prompt, 0.0, aligned)
+    job_id = await accept_upload(d, audio_file, options, who, spool=_spooler(encode))
+    row = await wait_for_job(request, d, job_id, who.owner)
     assert row.result is not None
     name = quote(audio_file.filename or "audio")
     return Response(asr_body(row.result, output, word_timestamps, cue), media_type="text/plain",
@@ -131,12 +131,12 @@ async def asr(
 @router.post("/detect-language", responses=ERRORS)
 async def detect_language(
     request: Request, audio_file: AudioFile, encode: EncodeQuery = True,
-    st: AppState = Depends(ready_state), who: Caller = Depends(caller),
+    d: Door = Depends(ready_door), who: Caller = Depends(caller),
 ) -> JSONResponse:
     """The language of the first speech window (raw PCM: of its first five minutes)."""
-    job_id = await accept_upload(st, audio_file, JobOptions(detect_only=True), who,
+    job_id = await accept_upload(d, audio_file, JobOptions(detect_only=True), who,
                                  spool=_spooler(encode, DETECT_HEAD_S))
-    row = await wait_for_job(request, st, job_id)
+    row = await wait_for_job(request, d, job_id, who.owner)
     assert row.result is not None
     code = row.result.get("language") or "und"
     prob = row.result.get("language_probability")

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from app.errors import public_error
+from app.jobs.door import JobView
 from app.results.shapes import Transcription, absent
 
 JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
@@ -62,3 +64,31 @@ class JobList(BaseModel):
 
 class ErrorBody(BaseModel):
     error: ErrorInfo
+
+
+def to_job(view: JobView, base: str = "") -> Job:
+    rtf = None
+    if view.status == "done" and view.processing_s:
+        rtf = round(view.audio_seconds / view.processing_s, 3)
+    return Job(
+        id=view.id, status=view.status,  # type: ignore[arg-type]
+        status_url=f"{base}/jobs/{view.id}", result_url=f"{base}/jobs/{view.id}/result",
+        filename=view.filename, options=view.options, created_at=view.created_at,
+        started_at=view.started_at, finished_at=view.finished_at,
+        progress=Progress(windows_done=view.windows_done, windows_total=view.windows_total),
+        audio_seconds=view.audio_seconds, queue_wait_s=view.queue_wait_s,
+        processing_s=view.processing_s, diarization_s=view.diarization_s, rtf=rtf,
+        result=Transcription.model_validate(view.result) if view.result else None,
+        error=public_error(view.error), webhook=webhook_state(view),
+    )
+
+
+def webhook_state(view: JobView) -> WebhookState | None:
+    if not view.callback_url:
+        return None
+    return WebhookState(
+        url=view.callback_url, status=view.webhook_status or "waiting",  # type: ignore[arg-type]
+        attempts=view.webhook_attempts or 0,
+        next_attempt_at=view.webhook_next_at if view.webhook_status == "pending" else None,
+        last_error=view.webhook_last_error, delivered_at=view.webhook_delivered_at,
+    )

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -39,10 +38,7 @@ from app.speakers.service import SpeakerService
 from app.windows import JobOptions
 
 log = logging.getLogger(__name__)
-
-
-def new_job_id() -> str:
-    return secrets.token_urlsafe(18)  # 144 random bits: ids cannot be guessed or enumerated
+RECHECK_S = 15.0  # a job run by another replica: how often a wait re-reads the store
 
 
 class JobRunner:
@@ -134,7 +130,9 @@ class JobRunner:
     # ---- API side ----------------------------------------------------------------------------
     async def submit(self, job_id: str, upload: Path, filename: str | None, options: JobOptions,
                      audio_seconds: float, owner: str | None, callback_url: str | None = None,
-                     idempotency_key: str | None = None) -> None:  # hook: app/api/idempotency.py
+                     idempotency_key: str | None = None) -> None:
+        """Queue a spooled upload as a job (app/jobs/intake.py calls this once it is admitted).
+        ``idempotency_key``: the request key's digest, unique in the store."""
         # The upload is in the shared blob store before its row exists: whoever claims the job
         # finds it. The row holds the key, never this replica's path.
         key = self.blobs.key(upload)
@@ -170,6 +168,17 @@ class JobRunner:
             return
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(ev.wait(), timeout)
+
+    async def wait_ended(self, job_id: str, timeout_s: float) -> None:
+        """Until the job ends, here or on another replica, or this runner stops, or
+        ``timeout_s`` passes. A job ending here wakes the wait at once; one ending elsewhere is
+        seen when the store is next read, every ``RECHECK_S``."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0 and not self._stopped:
+            await self.wait(job_id, min(left, RECHECK_S))
+            row = await self.store.get(job_id)
+            if row is None or row.status in TERMINAL:
+                return
 
     @property
     def stopped(self) -> bool:
