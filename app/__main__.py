@@ -1,4 +1,4 @@
-"""``python -m app``: run the service on its settings (environment variables, see README)."""
+"""``python -m app``: run the service on its settings (environment variables: docs/configuration.md)."""
 
 from __future__ import annotations
 
