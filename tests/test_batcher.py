@@ -346,3 +346,4 @@ async def test_the_primitive_pins_a_failure_on_its_item_in_halves() -> None:
     assert [i.future.result() for i in items if i.n != 5] == [0, 10, 20, 30, 40, 60, 70]
     with pytest.raises(ValueError):
         items[5].future.result()
+

@@ -195,6 +195,24 @@ async def test_dispatcher_retries_then_delivers_once(tmp_path: Path, receiver: R
         await store.close()
 
 
+async def test_a_stop_that_lands_as_the_dispatcher_wakes_still_stops_it(tmp_path: Path) -> None:
+    """A wake and a stop in the same loop turn: the dispatcher's wait used asyncio.wait_for,
+    which on Python 3.11 returns normally when the cancel lands as its event is set, so the
+    cancel was lost and stop() waited on a loop that went on (a 900 s hang of
+    tests/test_webhooks_guard.py, 2 runs in 12)."""
+    store = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}")
+    await store.init()
+    hooks = WebhookDispatcher(WebhookSettings(secret=SecretStr(SECRET)), store, local_guard())
+    hooks.start()
+    try:
+        await asyncio.sleep(0.2)  # its first pass is done: it waits for a wake
+        hooks.wake()
+        await asyncio.wait_for(hooks.stop(), 10)  # cancels at once, in the same turn
+    finally:
+        await hooks.guard.aclose()
+        await store.close()
+
+
 async def test_dispatcher_gives_up_after_max_attempts(tmp_path: Path, receiver: Receiver) -> None:
     receiver.fail_all = True
     store = JobStore(f"sqlite+aiosqlite:///{tmp_path / 'jobs.db'}")

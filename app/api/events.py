@@ -76,7 +76,8 @@ async def _stream(sub: Subscription) -> AsyncIterator[bytes]:
         if feed.closed:  # draining: end the stream so shutdown is not held open;
             return  # the client reconnects (retry) to a replica that has the job
         try:
-            await asyncio.wait_for(sub.wake.wait(), KEEPALIVE_S)
+            async with asyncio.timeout(KEEPALIVE_S):  # not wait_for: see app/jobs/webhooks.py
+                await sub.wake.wait()
         except TimeoutError:
             yield b": keep-alive\n\n"
 

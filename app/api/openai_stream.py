@@ -78,7 +78,8 @@ async def transcript_events(d: Door, job_id: str, owner: str | None) -> AsyncIte
                                             code="shutting_down"))
                     return
                 try:
-                    await asyncio.wait_for(changed.wait(), KEEPALIVE_S)
+                    async with asyncio.timeout(KEEPALIVE_S):  # not wait_for: see app/jobs/webhooks.py
+                        await changed.wait()
                 except TimeoutError:
                     yield b": keep-alive\n\n"
     finally:

@@ -167,7 +167,8 @@ class Batcher:
                 return ready
             timeout = None if deadline is None else max(0.0, deadline - now)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):  # not wait_for: see app/jobs/webhooks.py
+                    await self._wake.wait()
 
     def _pick(self, now: float) -> tuple[Batch | None, float | None]:
         """The batch to run now, else when to look again.

@@ -124,7 +124,8 @@ class EventHub:
                 if feed.over:
                     return
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(changed.wait(), KEEPALIVE_S)
+                    async with asyncio.timeout(KEEPALIVE_S):  # not wait_for: see app/jobs/webhooks.py
+                        await changed.wait()
 
 
 @dataclass(eq=False)

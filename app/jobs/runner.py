@@ -167,7 +167,8 @@ class JobRunner:
             self._done_events.pop(job_id, None)
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ev.wait(), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: see app/jobs/webhooks.py
+                await ev.wait()
 
     async def wait_ended(self, job_id: str, timeout_s: float) -> None:
         """Until the job ends, here or on another replica, or this runner stops, or
@@ -266,7 +267,8 @@ class JobRunner:
             # Woken by a submit, a job that started or ended; the timeout picks up other
             # replicas' work.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 2.0)
+                async with asyncio.timeout(2.0):  # not wait_for: see app/jobs/webhooks.py
+                    await self._wake.wait()
 
     # ---- running one job ---------------------------------------------------------------------
     async def _run(self, job: JobRow) -> None:

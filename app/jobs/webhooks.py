@@ -138,8 +138,14 @@ class WebhookDispatcher:
             except Exception:
                 log.exception("webhook dispatch pass failed; retrying")
                 timeout = 5.0
+            # Not asyncio.wait_for: on Python 3.11 it returns normally when a cancel lands as the
+            # event is set (the inner wait has finished), so stop()'s cancel was lost and the loop
+            # went on waiting (2 of 12 runs of tests/test_webhooks_guard.py hung until the
+            # 900 s test timeout). asyncio.timeout lets the cancel through; every event wait in
+            # the service is written this way.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
 
     async def _claim(self, limit: int) -> list[JobRow]:
         if limit <= 0:
