@@ -13,7 +13,6 @@ import os
 import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -65,13 +64,16 @@ class BacklogWatch(threading.Thread):
                         self.values.append(float(line.split()[1]))
 
 
-@pytest.fixture
-def bounded(make_server: type[Server], tmp_path: Path) -> Iterator[Server]:
-    srv = make_server(tmp_path / "svc", env={
+@pytest.fixture(scope="module")
+def bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One small-backlog service for the module (it was one per test: the burst test leaves
+    nothing queued, every accepted job is awaited)."""
+    srv = Server(tmp_path_factory.mktemp("bounded"), env={
         "BATCHSCRIBE_LIMITS__MAX_BACKLOG_S": str(BACKLOG_S),
         "BATCHSCRIBE_LIMITS__SYNC_TIMEOUT_S": "0.5",
     }).start()
     yield srv
+    srv.kill()
 
 
 def burst_of(clips: list[Clip], audio_s: float) -> list[Clip]:
