@@ -252,9 +252,11 @@ def test_v1_never_leaves_a_job_running_behind_its_answer(tmp_path: Path, clips: 
     settings = fake_settings(tmp_path, limits={"openai_wait_s": 1.0})
     short = min((c for c in clips if c.set == "ljspeech"), key=lambda c: c.duration_s)
     long = max(clips, key=lambda c: c.duration_s)  # ~1 min: > 1 s x 10x realtime (no speed yet)
-    try:
-        with serve(create_app(settings, engine_factory=lambda s: fake)) as url, \
-                httpx.Client(base_url=url, timeout=60) as c:
+    # The gate opens before the service stops: left shut, the shutdown waited on the engine
+    # call it holds until serve() gave up on the server thread (60 s of this test's 60.4 s).
+    with serve(create_app(settings, engine_factory=lambda s: fake)) as url, \
+            httpx.Client(base_url=url, timeout=60) as c:
+        try:
             start = time.monotonic()
             r = c.post("/v1/audio/transcriptions", data={"model": "whisper-1"},
                        files={"file": (short.path.name, short.path.read_bytes())})
@@ -269,5 +271,5 @@ def test_v1_never_leaves_a_job_running_behind_its_answer(tmp_path: Path, clips: 
             assert r.status_code == 413 and r.headers["x-should-retry"] == "false", r.text
             assert "POST /transcribe" in r.json()["error"]["message"]
             assert not [j for j in c.get("/jobs").json()["jobs"] if j["filename"] == long.path.name]
-    finally:
-        fake.gate.set()
+        finally:
+            fake.gate.set()
