@@ -111,7 +111,7 @@ class Word:
     end: float
     probability: float
     tokens: list[int] = field(default_factory=list)
-    # per token (app/logprobs.py): the align pass's probability and the token's bytes
+    # per token (app/engine/tokens.py): the align pass's probability and the token's bytes
     token_probs: list[float] = field(default_factory=list)
     token_bytes: list[bytes] = field(default_factory=list)
 
@@ -175,7 +175,7 @@ class JobOptions:
     max_speakers: int | None = None
     # diarize: [{"name", "voice"}] from reference clips (app/speakers/named.py), not the clips
     known_speakers: list[dict[str, Any]] | None = None
-    logprobs: bool = False  # result["logprobs"]: per token, OpenAI's shape (app/logprobs.py)
+    logprobs: bool = False  # result["logprobs"]: OpenAI's per token (app/results/logprobs.py)
     vad: dict[str, float] | None = None  # OpenAI's server_vad settings (app/audio/server_vad.py)
     channels: Channels = "mix"  # separate: each channel transcribed, labelled by channel
     audio_url: str | None = None  # fetched by the service (recorded without credentials)

@@ -21,10 +21,11 @@ import openai
 import pytest
 from openai import OpenAI
 
-from app.api.openai_shapes import diarized_json
+from app.results.openai import diarized_json
 from app.speakers import Turn, assign_speakers
-from app.speakers.named import BadReference, check_names, data_url_bytes, match, public_options
+from app.speakers.named import BadReference, check_names, data_url_bytes, public_options
 from app.speakers.report import NameMatch, SpeakerTurns
+from app.speakers.voices import match
 from tests.conftest import CORPUS as MAIN_CORPUS
 from tests.conftest import Server
 from tests.test_speakers import CORPUS, SAMPLE, corpus_item, der_module, need

@@ -8,11 +8,12 @@ from typing import Any
 
 import numpy as np
 
+from app.results.formats import to_rttm
 from app.speakers import SpeakerBounds, Turn, assign_speakers
 from app.speakers.cluster import cluster, min_size
 from app.speakers.fit import fit_segments, wordless_segments
 from app.speakers.models import FrameGrid
-from app.speakers.report import SpeakerTurns, count_report, to_rttm
+from app.speakers.report import SpeakerTurns, count_report
 from app.speakers.turns import compress, reconstruct, voices_heard
 from tests.test_speakers_parts import blobs, same_partition
 

@@ -1,4 +1,4 @@
-"""Word timestamps from Whisper's cross-attention (sentence segments: app/transcript.py).
+"""Word timestamps from Whisper's cross-attention (sentence segments: app/results/transcript.py).
 
 ``word_timings`` is faster-whisper's ``find_alignment`` + ``add_word_timestamps`` for one window
 decoded without timestamp tokens (whisperx style): CTranslate2's ``align`` gives, per text
@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from app.engine.decoding import batch_rows
-from app.logprobs import per_token, token_bytes
+from app.engine.tokens import per_token, token_bytes
 from app.windows import (
     HOP_LENGTH,
     N_FRAMES,
@@ -91,7 +91,7 @@ def word_timings(tok: Any, text_tokens: list[int], alignment: Any, window: Windo
                     timing[i]["start"] = timing[i]["end"] - longest
     merge_punctuations(timing, PREPEND_PUNCTUATIONS, APPEND_PUNCTUATIONS)
     timing = [t for t in timing if t["word"]]
-    per_token(timing, text_tokens, probs)  # include[]=logprobs (app/logprobs.py)
+    per_token(timing, text_tokens, probs)  # include[]=logprobs (app/engine/tokens.py)
     if timing and longest > 0:
         _trim_first_word(timing, median, longest)
     sound = sound_starts(window.audio)

@@ -8,18 +8,10 @@ embedding per crop, and their normalised mean is its voice (:func:`voiceprint`, 
 diarizer's own batchers, so the work is batched and off the event loop). Voices (192 floats
 each) travel with the job's options; the references themselves are not kept.
 
-At the end of the job every speaker's voice is the normalised mean of its crops' embeddings,
-and references are matched to speakers one to one (Hungarian assignment on cosine similarity)
-when the similarity is at least ``MATCH_COS``; a matched speaker is called by its name, the
-others keep their labels (``SPEAKER_00``..., or OpenAI's letters), and the result lists every
-reference with its best similarity and whether it matched: how sure each name is.
-
-``MATCH_COS`` = 0.5, measured here with these models (reference of the first 2.5/5/10 s of a
-corpus speaker against the voice of 12 s from the middle of a recording; 5 speakers of
-../shared/corpus, different sources): the same speaker scored 0.52-0.98 with references of
-5-10 s (0.37-0.94 at 2.5 s), different speakers -0.1-0.47 (median 0.06). In the same meeting
-(AMI, one channel for all) different speakers come closer, so short references (2-3 s) of
-similar voices may miss the threshold: the similarity is in the result to act on.
+At the end of the job the speaker stream matches the voices to the recording's speakers
+(app/speakers/voices.py: one to one, at cosine >= ``MATCH_COS``, how sure each match is); a
+matched speaker is called by its name, the others keep their labels (``SPEAKER_00``..., or
+OpenAI's letters).
 """
 
 from __future__ import annotations
@@ -35,13 +27,12 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from app.speakers.report import NameMatch
+from app.speakers.voices import unit_mean
 
 if TYPE_CHECKING:
     from app.speakers.diarizer import Diarizer
     from app.speakers.service import SpeakerService
 
-MATCH_COS = 0.5
 MAX_KNOWN = 4  # OpenAI's limit
 MIN_REF_S, MAX_REF_S = 1.5, 30.0  # one crop at least; OpenAI asks for 2-10 s
 MAX_NAME = 100
@@ -120,14 +111,6 @@ async def voiceprint(diarizer: Diarizer, audio: np.ndarray) -> np.ndarray | None
     return unit_mean(np.stack(stream.embeddings))
 
 
-def unit_mean(x: np.ndarray) -> np.ndarray:
-    x = np.asarray(x, dtype=np.float64)
-    x = x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
-    m = x.mean(0)
-    out: np.ndarray = m / max(float(np.linalg.norm(m)), 1e-12)
-    return out
-
-
 async def known_voices(diarizer: Diarizer, names: Sequence[str], clips: Sequence[bytes],
                        field: str) -> list[dict[str, Any]]:
     """``[{"name", "voice"}]`` for the job's options, from the (checked) names and clips."""
@@ -139,31 +122,6 @@ async def known_voices(diarizer: Diarizer, names: Sequence[str], clips: Sequence
             raise BadReference(f"no speech found in the reference for {name!r}", field)
         out.append({"name": name, "voice": [round(float(v), 6) for v in voice]})
     return out
-
-
-def match(voices: dict[int, np.ndarray], known: Sequence[dict[str, Any]]
-          ) -> tuple[dict[int, str], list[NameMatch]]:
-    """Speakers (cluster index -> voice) named after the references they match, one to one,
-    at cosine >= MATCH_COS; and every reference's outcome. ``NameMatch.speaker`` is filled in
-    with the name itself when matched (the turns carry names, not labels)."""
-    from scipy.optimize import linear_sum_assignment
-
-    if not known:
-        return {}, []
-    ids = sorted(voices)
-    refs = np.array([k["voice"] for k in known], dtype=np.float64)
-    refs /= np.maximum(np.linalg.norm(refs, axis=1, keepdims=True), 1e-12)
-    sim = refs @ np.stack([voices[i] for i in ids]).T if ids else np.zeros((len(known), 0))
-    names: dict[int, str] = {}
-    if ids:
-        for r, c in zip(*linear_sum_assignment(-sim), strict=True):
-            if sim[r, c] >= MATCH_COS:
-                names[ids[c]] = str(known[r]["name"])
-    matched = set(names.values())
-    report = [NameMatch(str(k["name"]), str(k["name"]) if k["name"] in matched else None,
-                        float(sim[r].max()) if ids else -1.0, MATCH_COS)
-              for r, k in enumerate(known)]
-    return names, report
 
 
 def public_options(options: dict[str, Any]) -> dict[str, Any]:

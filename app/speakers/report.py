@@ -4,8 +4,9 @@ the JSON and as RTTM), whether the caller's speaker count was met, and how sure 
 The diarizer answers with :class:`SpeakerTurns`: its turns (a ``list[Turn]``, so everything that
 takes turns takes it) carrying what the result must report and only the stream knows: the
 bounds it was held to, how much speech it had to cluster, and the named-speaker matches. It
-travels from the stream through the job's feed to :func:`app.speakers.assign.assign_speakers`
-unchanged.
+travels from the stream through the job's work (app/jobs/work.py) to
+:func:`app.speakers.assign.assign_speakers` unchanged. The result's turns are rendered as RTTM
+by app/results/formats.py (``to_rttm``).
 
 Why say when a count was not met: ``num_speakers`` is a constraint, and the clustering honours
 it, but it can only group the 1.5 s crops of speech it has: 4 speakers asked of 2 s of speech
@@ -76,17 +77,3 @@ def count_report(turns: Sequence[Turn]) -> dict[str, Any]:
 def turn_dicts(turns: Sequence[Turn], rename: dict[str, str]) -> list[dict[str, Any]]:
     return [{"start": round(t.start, 3), "end": round(t.end, 3),
              "speaker": rename.get(t.speaker, t.speaker)} for t in sorted(turns)]
-
-
-def to_rttm(result: dict[str, Any], uri: str = "audio") -> str:
-    """The result's speaker turns as RTTM (``SPEAKER uri 1 start dur <NA> <NA> name <NA> <NA>``),
-    what diarization scorers (md-eval, dscore, pyannote.metrics) read. Names are made one token
-    (spaces become underscores); no turns: an empty file."""
-    uri = "_".join(uri.split()) or "audio"
-    lines = []
-    for t in result.get("turns") or []:
-        name = "_".join(str(t["speaker"]).split()) or "unknown"
-        dur = float(t["end"]) - float(t["start"])
-        lines.append(f"SPEAKER {uri} 1 {float(t['start']):.3f} {dur:.3f} <NA> <NA> {name} "
-                     "<NA> <NA>\n")
-    return "".join(lines)

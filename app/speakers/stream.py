@@ -28,12 +28,12 @@ import numpy as np
 
 from app.speakers.cluster import SpeakerBounds, cluster
 from app.speakers.models import CROP_SAMPLES, SAMPLE_RATE, FrameGrid, circle_pad
-from app.speakers.named import match, unit_mean
 from app.speakers.report import SpeakerTurns
 from app.speakers.turns import compress, reconstruct, to_turns, voices_heard
+from app.speakers.voices import match, unit_mean
 
 if TYPE_CHECKING:
-    from app.speakers.batcher import ModelBatcher
+    from app.batching.queue import ModelBatcher
 
 CROP_S = 1.5  # 3D-Speaker's diarization sub-segment and hop (chunk(dur=1.5, step=0.75))
 CROP_HOP_S = 0.75

@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
+from app.engine.languages import LANGUAGES
+
 
 class OpenAIErrorDetail(BaseModel):
     message: str
@@ -86,7 +88,7 @@ class OpenAIDiarized(BaseModel):
 
 
 class Logprob(BaseModel):
-    """One token's log-probability (``include[]=logprobs``; app/logprobs.py)."""
+    """One token's log-probability (``include[]=logprobs``; app/results/logprobs.py)."""
 
     token: str
     logprob: float
@@ -108,8 +110,6 @@ class OpenAITranscription(BaseModel):
 
 
 def verbose_json(result: dict[str, Any], task: str, words: bool) -> dict[str, Any]:
-    from whisperx.utils import LANGUAGES  # a plain dict module: no torch import
-
     code = result.get("language")
     out: dict[str, Any] = {
         "task": task, "language": LANGUAGES.get(code or "", code), "duration": result["duration"],

@@ -1,15 +1,14 @@
-"""Request and response shapes (what /docs shows)."""
+"""A finished job's result as the API shows it (``Job.result``, ``GET /jobs/{id}/result``):
+what app/results/transcript.py assembles, described for /docs."""
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Any
 
 from pydantic import BaseModel, Field
 
-JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
 
-
-def _absent(v: object) -> bool:
+def absent(v: object) -> bool:
     """Speaker fields are left out of jobs that asked for no speakers: those stay as before."""
     return v is None
 
@@ -29,7 +28,7 @@ class Segment(BaseModel):
     temperature: float | None = None
     tokens: list[int] = []
     speaker: str | None = Field(
-        None, exclude_if=_absent,
+        None, exclude_if=absent,
         description="diarize=true: SPEAKER_00, SPEAKER_01, ... (in order of first "
         "appearance); channels=separate: channel_0, channel_1, ... Absent otherwise.")
 
@@ -39,7 +38,7 @@ class Word(BaseModel):
     start: float = Field(description="Seconds from the start of the upload.")
     end: float
     probability: float | None = None
-    speaker: str | None = Field(None, exclude_if=_absent,
+    speaker: str | None = Field(None, exclude_if=absent,
                                 description="As the segment's (diarize, channels=separate).")
 
 
@@ -59,66 +58,13 @@ class Transcription(BaseModel):
     segments: list[Segment]
     words: list[Word] | None = Field(None, description="Only when word timestamps were asked for.")
     speakers: list[str] | None = Field(
-        None, exclude_if=_absent,
+        None, exclude_if=absent,
         description="diarize=true or channels=separate: the speaker labels that occur.")
     turns: list[SpeakerTurn] | None = Field(
-        None, exclude_if=_absent,
+        None, exclude_if=absent,
         description="diarize=true: the speaker models' own turns (overlapping where two speak "
         "at once), named as the segments; GET /jobs/{id}/result?format=rttm gives them as RTTM.")
     diarization: dict[str, Any] | None = Field(
-        None, exclude_if=_absent,
+        None, exclude_if=absent,
         description="diarize=true: speakers found; the num/min/max_speakers asked and whether "
         "the audio supported them (met, note); known speakers' match similarity.")
-
-
-class WebhookState(BaseModel):
-    url: str
-    status: Literal["waiting", "pending", "delivered", "failed"] = Field(
-        description="waiting: the job has not ended; pending: being delivered or retried."
-    )
-    attempts: int = 0
-    next_attempt_at: float | None = None
-    last_error: str | None = None
-    delivered_at: float | None = None
-
-
-class Progress(BaseModel):
-    windows_done: int
-    windows_total: int | None = Field(None, description="Known once the upload is decoded.")
-
-
-class ErrorInfo(BaseModel):
-    type: str
-    message: str
-
-
-class Job(BaseModel):
-    id: str
-    status: JobStatus
-    status_url: str
-    result_url: str
-    filename: str | None
-    options: dict[str, Any]
-    created_at: float
-    started_at: float | None
-    finished_at: float | None
-    progress: Progress
-    audio_seconds: float
-    queue_wait_s: float | None = Field(None, description="Accepted until work started.")
-    processing_s: float | None = Field(None, description="Work started until finished.")
-    diarization_s: float | None = Field(
-        None, exclude_if=_absent,
-        description="diarize=true: wall seconds of the job's speaker work, which runs beside its "
-        "transcription (included in processing_s, not added to it).")
-    rtf: float | None = Field(None, description="Real-time factor: audio s / processing s.")
-    result: Transcription | None = None
-    error: dict[str, Any] | None = None
-    webhook: WebhookState | None = Field(None, description="Only for jobs with a callback_url.")
-
-
-class JobList(BaseModel):
-    jobs: list[Job]
-
-
-class ErrorBody(BaseModel):
-    error: ErrorInfo

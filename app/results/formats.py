@@ -1,4 +1,5 @@
-"""Render a finished transcription as json, text, srt, vtt or tsv (cues from its segments).
+"""Render a finished transcription as json, text, srt, vtt or tsv (cues from its segments), or a
+diarized one's speaker turns as rttm.
 
 Subtitle cues follow :class:`CueOptions`: lines of at most ``max_line_width`` characters, and a
 segment too long for ``max_line_count`` lines or ``max_cue_s`` seconds is cut into several cues
@@ -11,7 +12,8 @@ turns, so a cue has one speaker): SRT cues start with ``[SPEAKER_00] `` (SRT has
 markup; the bracketed name is the common convention, whisperx's too); VTT cues are voice spans,
 ``<v SPEAKER_00>text``, which players show or style and parsers (webvtt-py's ``voice``) read;
 TSV gets a fourth column, ``speaker``, after openai-whisper's three. Results without speakers
-render exactly as before.
+render exactly as before. RTTM is what diarization scorers read: the result's ``turns`` (the
+speaker models' own, overlapping where two speak at once; app/speakers/report.py), not cues.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ MEDIA_TYPES: dict[str, str] = {
     "srt": "application/x-subrip; charset=utf-8",
     "vtt": "text/vtt; charset=utf-8",
     "tsv": "text/tab-separated-values; charset=utf-8",
-    "rttm": "text/plain; charset=utf-8",  # diarize=true: the speaker turns (app/speakers/report.py)
+    "rttm": "text/plain; charset=utf-8",  # diarize=true: the speaker turns (to_rttm)
 }
 
 
@@ -213,6 +215,20 @@ def to_text(result: dict[str, Any]) -> str:
     return str(result.get("text", "")) + "\n"
 
 
+def to_rttm(result: dict[str, Any], uri: str = "audio") -> str:
+    """The result's speaker turns as RTTM (``SPEAKER uri 1 start dur <NA> <NA> name <NA> <NA>``),
+    what diarization scorers (md-eval, dscore, pyannote.metrics) read. Names are made one token
+    (spaces become underscores); no turns: an empty file."""
+    uri = "_".join(uri.split()) or "audio"
+    lines = []
+    for t in result.get("turns") or []:
+        name = "_".join(str(t["speaker"]).split()) or "unknown"
+        dur = float(t["end"]) - float(t["start"])
+        lines.append(f"SPEAKER {uri} 1 {float(t['start']):.3f} {dur:.3f} <NA> <NA> {name} "
+                     "<NA> <NA>\n")
+    return "".join(lines)
+
+
 def render(result: dict[str, Any], fmt: str, opts: CueOptions | None = None) -> str:
     if fmt == "srt":
         return to_srt(result, opts)
@@ -221,7 +237,5 @@ def render(result: dict[str, Any], fmt: str, opts: CueOptions | None = None) -> 
     if fmt == "tsv":
         return to_tsv(result, opts)
     if fmt == "rttm":
-        from app.speakers.report import to_rttm
-
         return to_rttm(result)
     return to_text(result)
