@@ -1,11 +1,11 @@
 """One live transcription session: OpenAI's Realtime transcription protocol as a state machine,
 independent of the transport.
 
-The transport (phase B: the ``/v1/realtime`` WebSocket route) does three things::
+The transport (phase B: the ``/v1/realtime`` WebSocket route) only moves messages::
 
     session = LiveSession(decode, vad, limits, executor)
-    writer = asyncio.create_task(send_each(session.outbox))   # dicts, then None: close
-    reason = await session.run(receive)                        # receive() -> str | bytes | None
+    reason = await serve(session, receive, send)   # receive() -> str | bytes | None (gone)
+                                                   # send(event dict); then close the socket
 
 ``run`` sends ``session.created``, handles each client message in order, and ends when
 ``receive`` returns None (the client left), on the idle or total-duration limit (an ``error``
@@ -368,3 +368,26 @@ class LiveSession:
             raise
         finally:
             self.outbox.put_nowait(None)
+
+
+async def serve(session: LiveSession, receive: Receive,
+                send: Callable[[dict[str, Any]], Awaitable[None]]) -> str:
+    """Run ``session`` over a transport: its events go out through ``send`` in order (one
+    writer), while :meth:`LiveSession.run` reads. Returns why the session ended; a failing
+    ``send`` (the client went away) drops the rest of the events, never the session's work."""
+
+    async def write() -> None:
+        failed = False
+        while (event := await session.outbox.get()) is not None:
+            if failed:
+                continue
+            try:
+                await send(event)
+            except Exception:  # the peer is gone: keep draining so finals still finish
+                failed = True
+
+    writer = asyncio.create_task(write())
+    try:
+        return await session.run(receive)
+    finally:
+        await writer
