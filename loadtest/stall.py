@@ -70,6 +70,7 @@ async def _short(client: Client, clip: Clip, pid: int, spy_after: float,
 
 
 async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    load_before = os.getloadavg()
     clips = load_corpus()
     short = [c for c in clips if c.duration_s <= SHORT_CLIP_S and c.id not in args.exclude]
     long_path = work / "long.wav"
@@ -119,7 +120,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     slow = [r for r in beside if r["latency_s"] >= args.slow]
     parts = [p for p in (decompose(r, calls) for r in beside) if p is not None]
     return {
-        "long_audio_s": round(audio_s, 1), "load_before": os.getloadavg(),
+        "long_audio_s": round(audio_s, 1), "load_before": load_before,
         "idle": latency_summary([r["latency_s"] for r in idle]),
         "beside_long": latency_summary([r["latency_s"] for r in beside]),
         "long_jobs": [{**j, "posted": round(j["posted"] - t_base, 3),
@@ -130,9 +131,42 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "slow": [explain(r, calls, t_base) for r in slow],
         "requests": [{**r, "sent": round(r["sent"] - t_base, 3), "done": round(r["done"] - t_base, 3)}
                      for r in beside],
-        "dumps": [{**d, "t": round(d["t"] - t_base, 3)} for d in dumps],
+        "spy": spy_summary(dumps),
+        "dumps": [{**d, "t": round(d["t"] - t_base, 3)} for d in dumps[:3]],
         "trace": str(trace),
     }
+
+
+def spy_summary(dumps: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the threads were doing in the py-spy dumps taken while a request was slow: the
+    event loop's thread (idle: waiting in the loop) and each engine worker's call."""
+    engine: dict[str, int] = {}
+    main: dict[str, int] = {}
+    both_long = 0
+    for d in dumps:
+        states = []
+        for block in d["dump"].split("\nThread ")[1:]:
+            lines = block.strip().splitlines()
+            stack = " > ".join(line.strip().split(" (")[0] for line in lines[1:])
+            if "MainThread" in lines[0]:
+                top = lines[1].strip().split(" (")[0] if len(lines) > 1 else ""
+                main[top] = main.get(top, 0) + 1
+            elif "engine_" in lines[0]:
+                if "transcribe_batch" in stack:
+                    state = "run call (both stages, one call)"
+                elif "_redo_degenerate" in stack:
+                    state = "decode call, redoing a looping/unsure window at 30 s"
+                elif "WhisperEngine.decode" in stack:
+                    state = "decode call"
+                elif "WhisperEngine.encode" in stack:
+                    state = "encode call"
+                else:
+                    state = "idle"
+                states.append(state)
+                engine[state] = engine.get(state, 0) + 1
+        both_long += sum(st.startswith("run call") for st in states) >= 2
+    return {"dumps": len(dumps), "main_thread_top": main, "engine_threads": engine,
+            "dumps_with_every_worker_in_a_run_call": both_long}
 
 
 def decompose(req: dict[str, Any], trace: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -203,8 +237,9 @@ def engine_costs(model: str, threads: int = 1) -> list[dict[str, Any]]:
 
     engine._transcribe = counted  # type: ignore[method-assign]
     opts = DecodeOptions()
-    out = []
-    for cw in cut_corpus(clips):
+    out: list[dict[str, Any]] = []
+    cut = cut_corpus(clips)
+    for cw in cut:
         w = cw.window
         t0 = time.perf_counter()
         [enc] = engine.encode([w], opts)
@@ -215,8 +250,33 @@ def engine_costs(model: str, threads: int = 1) -> list[dict[str, Any]]:
         out.append({"clip": cw.clip_id, "window_s": round(w.duration, 2),
                     "encode_s": round(t1 - t0, 3), "decode_s": round(t2 - t1, 3),
                     "redo_at_30s": bool(redo), "text": res.text[:80]})
+    out.sort(key=lambda r: -float(r["decode_s"]))
+    out.append(_batch_with_a_loop(engine, [cw.window for cw in cut],
+                                  [cw.clip_id for cw in cut], out))
     engine.close()
-    return sorted(out, key=lambda r: -r["decode_s"])
+    return out
+
+
+def _batch_with_a_loop(engine: Any, windows: list[Any], ids: list[str],
+                       costs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One decoder batch of 8 windows of one padded length, without and with the slowest
+    looping clip in it: what every other window of that batch pays for the loop's redo."""
+    from app.windows import DecodeOptions
+
+    opts = DecodeOptions()
+    looping = next(r["clip"] for r in costs if r.get("redo_at_30s"))
+    k = ids.index(looping)
+    n = engine.padded_samples(windows[k])
+    plain = [w for w, c in zip(windows, ids, strict=True)
+             if engine.padded_samples(w) == n and not any(
+                 r["clip"] == c and r.get("redo_at_30s") for r in costs)][:8]
+    timings = {}
+    for name, batch in (("8 plain", plain), ("7 plain + the loop", [*plain[:7], windows[k]])):
+        enc = engine.encode(batch, opts)
+        t0 = time.perf_counter()
+        engine.decode(batch, enc, opts)
+        timings[name] = round(time.perf_counter() - t0, 3)
+    return {"clip": f"decoder batch at padded {n} samples", "looping_clip": looping, **timings}
 
 
 def main() -> None:
@@ -237,7 +297,7 @@ def main() -> None:
         rows = engine_costs(args.model)
         args.out.write_text(json.dumps({"load_before": load, "load_after": os.getloadavg(),
                                         "clips": rows}, indent=1))
-        for r in rows[:8]:
+        for r in rows[:4] + rows[-1:]:
             print(json.dumps(r))
         return
     with tempfile.TemporaryDirectory(prefix="stall-") as tmp:

@@ -230,8 +230,8 @@ class LiveSession:
                 return
             self._turn = Turn(new_id("item"), e.at, vad=True)
             self._emit(SpeechStarted(audio_start_ms=ms(e.at), item_id=self._turn.item_id))
-        elif self._turn is not None:
-            self._close(e.at, stopped=True)
+        elif self._turn is not None:  # speech_stopped only for a turn speech_started opened
+            self._close(e.at, stopped=self._turn.vad)
 
     def _close(self, end: int, stopped: bool) -> None:
         t = self._turn
