@@ -91,7 +91,12 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=8765)
     ap.add_argument("--decoder", choices=("batcher", "engine"), default="batcher")
     ap.add_argument("--prep", type=int, default=2, help="threads for audio and VAD")
+    ap.add_argument("--trace", help="write the batcher's trace here (loadtest/batch_trace.py)")
     args = ap.parse_args()
+    if args.trace:
+        from loadtest.batch_trace import install
+
+        install(args.trace)
     logging.basicConfig(level=logging.WARNING)
     asyncio.run(main_async(args))
 
