@@ -84,16 +84,15 @@ def batcher_decoder(batcher: Batcher, session_id: str, owner: str | None = None,
                     options: DecodeOptions | None = None) -> Decode:
     """Each decode a one-window job of the shared batcher (``job_windows=1``: a short request,
     so it rides the decoder pool like a short upload, and beside a long upload it is a "fresh"
-    job that gets a batch of its own). Cancelling the awaiting task drops the window."""
+    job that gets a batch of its own)."""
     key = options or DecodeOptions()
     counter = itertools.count()
 
     async def decode(audio: np.ndarray, options: LiveOptions, kind: Kind) -> Decoded:
         job = f"live-{session_id}-{kind}-{next(counter)}"
         [fut] = batcher.submit(job, [options.window(audio)], key, job_windows=1, owner=owner)
-        try:
-            return _decoded(await fut)
-        finally:
-            fut.cancel()  # no-op once done; a cancelled caller frees its queued window
+        # Cancelling the awaiting task cancels ``fut`` too, and the batcher skips a window whose
+        # future is done: an interim decode given up on costs nothing once it is dropped.
+        return _decoded(await fut)
 
     return decode
