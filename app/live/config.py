@@ -10,8 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from pydantic import BaseModel, Field
-
+from app.config import LiveSettings
 from app.live.audio import Format
 from app.live.protocol import (
     AudioInput,
@@ -23,24 +22,8 @@ from app.live.protocol import (
 )
 from app.live.turns import VadRules
 
-
-class LiveLimits(BaseModel):
-    """Per-session bounds and pacing (phase B: a ``live`` block of the service's settings)."""
-
-    max_event_bytes: int = Field(15 * 1024 * 1024, ge=1024,
-                                 description="Largest client message (OpenAI's append bound).")
-    max_buffer_s: float = Field(120.0, gt=0, description="Manual mode: uncommitted audio kept.")
-    max_turn_s: float = Field(29.5, gt=1, le=30.0,
-                              description="Server VAD: a longer turn is cut (one Whisper window).")
-    idle_timeout_s: float = Field(60.0, gt=0, description="No client message for this long: closed.")
-    max_session_s: float = Field(3600.0, gt=0, description="Longest session.")
-    interim_interval_ms: int = Field(
-        1000, ge=0, description="Re-decode an open turn after this much more audio (0: never).")
-    max_pending_finals: int = Field(
-        4, ge=1, description="Turns decoding at once per session; appends wait beyond (a client "
-        "faster than real time is slowed to the engine's pace, not buffered).")
-    model: str = Field("whisper-base", description="The model name sessions report.")
-    session_ttl_s: int = Field(3600, ge=1, description="expires_at of the session object.")
+# A session's bounds and pacing are the service's ``live`` settings block (app/config).
+LiveLimits = LiveSettings
 
 
 @dataclass

@@ -24,10 +24,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
+import app.windows as windows
 from app.windows import SAMPLE_RATE, DecodeOptions, Prompt, Window, WindowResult
 
 if TYPE_CHECKING:
@@ -37,8 +38,24 @@ Kind = Literal["interim", "final"]
 RunWindows = Callable[[Sequence[Window], DecodeOptions], Awaitable[list[WindowResult]]]
 
 
-class Shed(Exception):
+class _Shed(Exception):
     """An interim decode the decoder chose not to run (it fell behind): skipped, not an error."""
+
+
+# The batcher's priority classes (branch ``batchprio``) bring ``app.windows.Shed``: the exception
+# a shed interim window's future gets. Once it exists it *is* this module's Shed, so the session
+# catches what the batcher raises; until then a local class stands in (nothing raises it).
+Shed: type[Exception] = getattr(windows, "Shed", None) or _Shed
+
+
+def urgency(kind: Kind) -> dict[str, Any]:
+    """THE ONE PLACE the live path states a decode's urgency to the batcher (``batchprio``):
+    ``submit(..., urgency=Urgency.LIVE_FINAL)`` for a turn's final, ``LIVE_INTERIM`` (droppable)
+    for an interim. Today's batcher has no ``Urgency`` and takes no such argument: nothing."""
+    classes = getattr(windows, "Urgency", None)
+    if classes is None:
+        return {}
+    return {"urgency": classes.LIVE_FINAL if kind == "final" else classes.LIVE_INTERIM}
 
 
 @dataclass(frozen=True)
@@ -90,7 +107,8 @@ def batcher_decoder(batcher: Batcher, session_id: str, owner: str | None = None,
 
     async def decode(audio: np.ndarray, options: LiveOptions, kind: Kind) -> Decoded:
         job = f"live-{session_id}-{kind}-{next(counter)}"
-        [fut] = batcher.submit(job, [options.window(audio)], key, job_windows=1, owner=owner)
+        [fut] = batcher.submit(job, [options.window(audio)], key, job_windows=1, owner=owner,
+                               **urgency(kind))
         # Cancelling the awaiting task cancels ``fut`` too, and the batcher skips a window whose
         # future is done: an interim decode given up on costs nothing once it is dropped.
         return _decoded(await fut)
