@@ -34,7 +34,8 @@ def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     settings = fake_settings(
         tmp_path_factory.mktemp("live-route"),
         security={"api_key_sha256": [hashlib.sha256(k.encode()).hexdigest() for k in (KEY, OTHER)]},
-        live={"max_sessions_per_key": 2, "max_sessions": 3, "idle_timeout_s": 2.0})
+        live={"max_sessions_per_key": 2, "max_sessions": 3, "idle_timeout_s": 2.0,
+              "max_event_bytes": 64 * 1024})
     fake = FakeEngine()
     with serve(create_app(settings, engine_factory=lambda s: fake)) as u:
         yield u
@@ -74,9 +75,11 @@ async def test_a_keyed_session_is_kept_as_a_job_with_its_formats(url: str) -> No
         await ws.send("{not json")  # bad events: an error each, the session goes on
         await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio": "@@@"}))
         await ws.send(json.dumps({"type": "no.such.event"}))
+        await ws.send(audio_event(2.0))  # 128 KB of base64: past max_event_bytes (64 KiB here)
         await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
         seen = await until(ws, "conversation.item.input_audio_transcription.completed")
-        assert [e["type"] for e in seen].count("error") == 3
+        codes = [e["error"]["code"] for e in seen if e["type"] == "error"]
+        assert len(codes) == 4 and codes[-1] == "event_too_large", codes
         assert seen[-1]["transcript"] == "w0"
     async with httpx.AsyncClient(base_url=url, headers={"Authorization": f"Bearer {KEY}"},
                             timeout=BOUND) as c:
