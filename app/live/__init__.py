@@ -1,5 +1,5 @@
 """Live transcription: OpenAI's Realtime transcription protocol (``?intent=transcription``) as
-transport-independent code (issue 34, phase A).
+transport-independent code (issue 34).
 
 * :mod:`app.live.protocol`: client events (pydantic), :func:`~app.live.protocol.parse_client_event`
 * :mod:`app.live.events`: server events, in the SDK's shapes and the order sessions send them
@@ -11,12 +11,8 @@ transport-independent code (issue 34, phase A).
 * :mod:`app.live.session`: :class:`~app.live.session.LiveSession`, the state machine, and
   :func:`~app.live.session.serve`, which runs one over any transport
 
-Phase B wires it into the service: a ``/v1/realtime`` WebSocket route (API key from the
-``Authorization`` header or a short-lived client secret) that accepts, builds
-``LiveSession(decoder, vad, limits, executor)`` and calls ``serve(session, receive, send)``;
-``vad`` is the service's one ``SileroVad`` (each session takes its own probability stream from
-it), ``executor`` the prep pool, ``limits`` a ``live`` block of the settings, and ``decoder``
-:func:`~app.live.decoding.batcher_decoder` once the batcher has priority classes (finals first,
-interim decodes droppable: raise :class:`~app.live.decoding.Shed`). ``session.items`` holds every
-committed turn for keeping the session as a job; ``session.counts`` feeds the metrics.
+The service runs it at ``/v1/realtime`` (app/api/realtime.py, through the door to
+app/jobs/live.py): keys or a short-lived client secret on the handshake, sessions bounded per key
+and in total, decodes through the shared batcher (:func:`~app.live.decoding.batcher_decoder`,
+urgency passed in one place for the batcher's priority classes), the transcript kept as a job.
 """
