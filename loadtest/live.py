@@ -239,7 +239,14 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="live-") as tmp:
         results = asyncio.run(run(args, Path(tmp)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"results": results}, indent=1))
+    from loadtest.common import machine_info
+
+    machine = machine_info()
+    args.out.write_text(json.dumps({
+        "commit": machine["git"], "clean_tree": machine["git_clean"], "machine": machine,
+        "target": "the service's /v1/realtime route" if args.url is None else args.url,
+        "args": {k: str(v) for k, v in vars(args).items() if k != "api_key"},
+        "results": results}, indent=1))
 
 
 if __name__ == "__main__":
