@@ -21,6 +21,7 @@ from app.live.audio import encode_pcm16
 from app.main import create_app
 from tests.fakes import FakeEngine
 from tests.test_metrics import fake_settings, samples, serve
+from tests.test_webhooks import SECRET, Receiver, signature_ok
 
 websockets = pytest.importorskip("websockets")
 from websockets.asyncio.client import ClientConnection, connect  # noqa: E402
@@ -30,9 +31,17 @@ BOUND = 20.0
 
 
 @pytest.fixture(scope="module")
-def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+def hooks() -> Iterator[Receiver]:
+    rx = Receiver().start()
+    yield rx
+    rx.stop()
+
+
+@pytest.fixture(scope="module")
+def url(tmp_path_factory: pytest.TempPathFactory, hooks: Receiver) -> Iterator[str]:
     settings = fake_settings(
         tmp_path_factory.mktemp("live-route"),
+        webhooks={"secret": SECRET}, outbound={"allow_private": True},
         security={"api_key_sha256": [hashlib.sha256(k.encode()).hexdigest() for k in (KEY, OTHER)]},
         live={"max_sessions_per_key": 2, "max_sessions": 3, "idle_timeout_s": 2.0,
               "max_event_bytes": 64 * 1024})
@@ -65,8 +74,10 @@ MANUAL = json.dumps({"type": "session.update", "session": {
     "type": "transcription", "audio": {"input": {"turn_detection": None}}}})
 
 
-async def test_a_keyed_session_is_kept_as_a_job_with_its_formats(url: str) -> None:
-    async with connect(ws_url(url), additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+async def test_a_keyed_session_is_kept_as_a_job_with_its_formats_and_webhook(
+        url: str, hooks: Receiver) -> None:
+    async with connect(ws_url(url, callback_url=hooks.url),
+                       additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
         job_id = ws.response.headers["x-batchscribe-job"]
         await until(ws, "session.created")
         await ws.send(MANUAL)
@@ -95,6 +106,12 @@ async def test_a_keyed_session_is_kept_as_a_job_with_its_formats(url: str) -> No
         assert (await c.get(f"/jobs/{job_id}", headers={"Authorization": f"Bearer {OTHER}"})
                 ).status_code == 404  # another key's session is not found
         metrics = samples((await c.get("/metrics")).text)
+        for _ in range(200):  # the webhook goes out as any finished job's
+            if hooks.for_job(job_id):
+                break
+            await asyncio.sleep(0.05)
+    [hit] = hooks.for_job(job_id)
+    assert signature_ok(hit) and json.loads(hit.body)["status"] == "done"
     assert metrics["batchscribe_live_turn_latency_seconds_count"][0][1] >= 1
     assert metrics["batchscribe_live_sessions_open"][0][1] == 0
     assert "batchscribe_live_interim_decodes_total" in metrics

@@ -83,3 +83,14 @@ async def test_the_openai_sdk_transcribes_live_on_the_service(server: Server,
         manual = await events_until(conn, COMPLETED, seen)
         assert manual.item_id != done.item_id
         assert wer_percent([clip.reference], [manual.transcript]) <= 25.0, manual.transcript
+
+
+def test_keyless_handshakes_answer_only_loopback_host_names(server: Server) -> None:
+    """Without keys the Host rule of every route holds on the socket too (DNS rebinding)."""
+    import httpx
+
+    upgrade = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
+               "Sec-WebSocket-Key": base64.b64encode(b"0123456789abcdef").decode()}
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.get("/v1/realtime?intent=transcription", headers={**upgrade, "Host": "evil.example"})
+        assert r.status_code == 421, r.text
