@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from fastapi import FastAPI
 
-from app.api import asr, events, health, jobs, openai, transcribe, web
+from app.api import asr, events, health, jobs, openai, realtime, transcribe, web
 from app.api.json_form import describe_json_bodies
 from app.api.middleware import install_middleware
 from app.audio.vad import make_vad
@@ -179,6 +179,7 @@ def create_app(settings: Settings | None = None,
             if webhooks is not None:
                 await webhooks.stop()
             await outbound.aclose()
+            core.close()
             await asyncio.to_thread(runner_engine.close)
             await store.close()
             log.info("stopped")
@@ -190,6 +191,7 @@ def create_app(settings: Settings | None = None,
     app.include_router(jobs.router)
     app.include_router(health.router)
     app.include_router(events.router)
+    app.include_router(realtime.router)  # live transcription (before /v1's catch-all 404)
     app.include_router(openai.router)
     app.include_router(asr.router)  # whisper-asr-webservice's API (Bazarr)
     app.include_router(web.router)  # the page at /

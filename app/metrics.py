@@ -28,6 +28,11 @@ Definitions (what the numbers mean):
 * ``device_memory_*_bytes``: per GPU (NVML) used/total; on CPU the container's (cgroup) or the
   host's memory used/total. ``engine_memory_bytes``: what this process holds on that device
   (NVML per-process usage on GPU, resident set size on CPU).
+* ``live_*``: ``live_turn_latency_seconds`` runs from the server's end of a turn
+  (``speech_stopped``: the VAD's silence already waited; or the client's commit) to its
+  ``completed``; ``live_stream_lag_seconds`` from the arrival of the message that ended the turn
+  (so it adds the audio work of that message); ``live_interim_decodes_total{outcome}`` counts
+  interim decodes sent to the batcher and those it shed.
 * ``engine_up``: per engine (``cuda:1``), 1 in rotation, 0 out of it or never started (a GPU that
   failed its load or warm-up: the service serves on the others; ``/readyz`` gives the error).
 """
@@ -60,6 +65,8 @@ LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2, 5, 10, 20, 30, 60, 120, 300, 600,
 # Real-time factor = audio seconds / processing seconds: below 1 the service falls behind.
 RTF_BUCKETS = (0.5, 1, 2, 4, 8, 12, 16, 24, 32, 48, 64, 128, 256)
 FILL_BUCKETS = (0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+# A live turn's final: ~0.2-1 s idle on CPU, seconds when the engine falls behind.
+LIVE_BUCKETS = (0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 5, 10, 20, 60)
 HTTP_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300)
 
 
@@ -187,6 +194,27 @@ class Metrics:
             self.batches.labels(outcome)
         for reason in ("backlog", "key_audio", "key_jobs"):
             self.rejected.labels(reason)
+        self._live(r, p)
+
+    def _live(self, r: CollectorRegistry, p: str) -> None:
+        """Live transcription (``/v1/realtime``; see the module doc for what each measures)."""
+        self.live_sessions = Gauge(p + "live_sessions_open", "Live sessions open now.", registry=r)
+        self.live_refused = Counter(p + "live_sessions_refused", "Live sessions refused, by limit.",
+                                    ["reason"], registry=r)
+        self.live_turn_latency = Histogram(
+            p + "live_turn_latency_seconds", "End of a turn's speech (speech_stopped, or the "
+            "commit) to its completed transcript.", buckets=LIVE_BUCKETS, registry=r)
+        self.live_interim = Counter(
+            p + "live_interim_decodes", "Interim decodes of open turns: sent to the batcher, "
+            "and shed by it (dropped, not an error).", ["outcome"], registry=r)
+        self.live_lag = Histogram(
+            p + "live_stream_lag_seconds", "Per stream, at each completed transcript: how far "
+            "its text trails real time (arrival of the message that ended the turn to "
+            "completed).", buckets=LIVE_BUCKETS, registry=r)
+        for outcome in ("sent", "shed"):
+            self.live_interim.labels(outcome)
+        for reason in ("total", "key"):
+            self.live_refused.labels(reason)
 
     def batch_done(self, windows: int, audio_s: float, window_s: float) -> None:
         """A batch's results are out (two stages: its decode): sizes, fill and audio done."""

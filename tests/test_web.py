@@ -13,15 +13,17 @@ import hashlib
 import json
 import os
 import shutil
+import wave
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import numpy as np
 import pytest
 import srt
 
-from tests.conftest import Clip, Server
+from tests.conftest import READ_SPEECH, Clip, Server
 from tests.wer import wer
 
 pytestmark = pytest.mark.model
@@ -130,3 +132,50 @@ def test_upload_follow_read_and_download(browser: Any, keyed: Server, clips: lis
     assert "ready" in page.inner_text("#st-ready")
     assert errors == []
     context.close()
+
+
+def test_the_microphone_streams_live_and_its_words_appear(keyed: Server, clips: list[Clip],
+                                                          tmp_path: Path) -> None:
+    """The page's live button in Chromium, its microphone a corpus clip (Chromium's fake
+    capture device plays a WAV file): a client secret, the WebSocket, the AudioWorklet at
+    24 kHz, server VAD; the clip's words appear on the page as a final turn."""
+    from playwright.sync_api import expect, sync_playwright
+
+    from app.audio import decode
+
+    clip = min((c for c in clips if c.set in READ_SPEECH and c.duration_s >= 4.0),
+               key=lambda c: c.duration_s)
+    audio = np.concatenate([np.zeros(8_000, np.float32), decode(clip.path, 60.0),
+                            np.zeros(40_000, np.float32)])  # trailing silence ends the turn
+    wav = tmp_path / "mic.wav"
+    with wave.open(str(wav), "wb") as w:
+        w.setnchannels(1)
+        w.setsampwidth(2)
+        w.setframerate(16_000)
+        w.writeframes((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes())
+    if not (CHROMIUM.is_file() or shutil.which(str(CHROMIUM))):
+        missing(f"no chromium at {CHROMIUM} (apt-get install chromium)")
+    mic = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
+           f"--use-file-for-fake-audio-capture={wav}%noloop",
+           "--autoplay-policy=no-user-gesture-required"]
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS + mic)
+        context = browser.new_context()
+        context.grant_permissions(["microphone"], origin=keyed.url)
+        page = context.new_page()
+        errors: list[str] = []
+        page.on("pageerror", lambda e: errors.append(str(e)))
+        page.goto(keyed.url + "/")
+        page.wait_for_selector("#key-form:not([hidden])")
+        page.fill("#key", KEY)
+        page.click("#key-save")
+        page.wait_for_selector("#st-ready.ok")
+        page.click("#mic")
+        expect(page.locator("#mic")).to_have_attribute("data-live", "on")
+        final = page.locator(".live-turn.final .text").first
+        final.wait_for(timeout=60_000)
+        text = final.inner_text()
+        page.click("#mic")  # stop: the session closes and is kept as a job
+        assert wer([clip.reference], [text]) < 0.3, text
+        assert page.inner_text("#live-error") == "" and errors == []
+        browser.close()

@@ -124,6 +124,10 @@ class SileroVad:
     def speech(self, audio: np.ndarray) -> list[tuple[float, float]]:
         return whole(self, audio)
 
+    def probability_stream(self) -> _Probabilities:
+        """Speech probabilities of audio fed in pieces (live turn detection, app/live/turns.py)."""
+        return _Probabilities(self)
+
     def probabilities(self, audio: np.ndarray) -> np.ndarray:
         """One speech probability per 512 samples, as faster-whisper's model call returns them."""
         p = _Probabilities(self)

@@ -17,6 +17,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.config.service import (
     LimitSettings,
+    LiveSettings,
     OutboundSettings,
     SecuritySettings,
     StorageSettings,
@@ -31,7 +32,7 @@ from app.config.stages import (
 )
 
 __all__ = [
-    "DEFAULT_HOME", "BatcherSettings", "LimitSettings", "ModelSettings", "OutboundSettings",
+    "DEFAULT_HOME", "BatcherSettings", "LimitSettings", "LiveSettings", "ModelSettings", "OutboundSettings",
     "PrepSettings", "SecuritySettings", "Settings", "SpeakerSettings", "StorageSettings",
     "WebhookSettings",
 ]
@@ -69,6 +70,7 @@ class Settings(BaseSettings):
     security: SecuritySettings = SecuritySettings()
     webhooks: WebhookSettings = WebhookSettings()
     outbound: OutboundSettings = OutboundSettings()
+    live: LiveSettings = LiveSettings()
 
     @model_validator(mode="after")
     def _merge_webhook_hosts(self) -> Settings:

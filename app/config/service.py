@@ -216,3 +216,34 @@ class OutboundSettings(BaseModel):
         "the blob store's credentials. Empty: s3:// URLs are refused. The blob store's own "
         "prefix is never readable this way.",
     )
+
+
+class LiveSettings(BaseModel):
+    """Live transcription (``/v1/realtime``): how many sessions, and each session's bounds and
+    pacing. A session holds at most one turn of audio (<= 30 s with server VAD,
+    ``max_buffer_s`` in manual mode) and ``max_pending_finals`` turns decoding: a client faster
+    than real time is slowed to the engine's pace (the socket is no longer read), not buffered."""
+
+    max_sessions: int = Field(32, ge=0, description="Open sessions on this replica (0: live off).")
+    max_sessions_per_key: int = Field(8, ge=1, description="Open sessions per API key.")
+    max_event_bytes: int = Field(15 * 1024 * 1024, ge=1024,
+                                 description="Largest client message (OpenAI's append bound).")
+    max_buffer_s: float = Field(120.0, gt=0, description="Manual mode: uncommitted audio kept.")
+    max_turn_s: float = Field(29.5, gt=1, le=30.0,
+                              description="Server VAD: a longer turn is cut (one Whisper window).")
+    idle_timeout_s: float = Field(60.0, gt=0, description="No client message for this long: closed.")
+    max_session_s: float = Field(3600.0, gt=0, description="Longest session.")
+    interim_interval_ms: int = Field(
+        1000, ge=0, description="Re-decode an open turn after this much more audio (0: never).")
+    max_pending_finals: int = Field(
+        4, ge=1, description="Turns decoding at once per session; appends wait beyond (a client "
+        "faster than real time is slowed to the engine's pace, not buffered).")
+    model: str = Field("whisper-base", description="The model name sessions report.")
+    session_ttl_s: int = Field(3600, ge=1, description="expires_at of the session object.")
+    keep_as_job: bool = Field(True, description="Keep each session's transcript as a job "
+                              "(GET /jobs/{id}, formats, webhook) once it closes.")
+    client_secret_ttl_s: int = Field(600, ge=10, le=7200,
+                                     description="Default lifetime of a /v1/realtime/client_secrets token.")
+    client_secret_key: SecretStr | None = Field(
+        None, description="HMAC key that signs client secrets; replicas behind one balancer need "
+        "the same one. Unset: a random key per process (a token works on the replica that made it).")

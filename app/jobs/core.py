@@ -25,9 +25,10 @@ from app.engine.device import DeviceMonitor
 from app.engine.placement import EnginePool
 from app.errors import NO_RETRY, BadRequest, DiarizationOff
 from app.jobs.admission import Admission
-from app.jobs.door import Health, Readiness, ServiceStatus, Upload
+from app.jobs.door import Health, LiveCall, LiveEnd, Readiness, ServiceStatus, Upload
 from app.jobs.events import EventHub, Subscription
 from app.jobs.intake import Intake
+from app.jobs.live import LiveHall
 from app.jobs.runner import JobRunner
 from app.jobs.speed import Speed, Speedometer
 from app.jobs.store import JobRow, JobStore
@@ -62,6 +63,8 @@ class Core:
                                     self._speed.retry_after_s)
         self._intake = Intake(settings, store, runner.blobs, outbound, self._admission,
                               runner.submit)
+        self._live = LiveHall(settings, metrics, store, batcher, runner.vad, outbound,
+                              self._job_ended)
         self._hub = EventHub(settings.limits.max_event_streams_per_key, self._read,
                              runner.watch, lambda: runner.stopped)
 
@@ -146,6 +149,18 @@ class Core:
                           ) -> list[tuple[str, list[dict[str, Any]]]] | None:
         done = self._runner.finished_windows(job_id, start)
         return None if done is None else [(w.text, entries([w])) for w in done]
+
+    async def live(self, call: LiveCall) -> LiveEnd:
+        return await self._live.serve(call)
+
+    def close(self) -> None:
+        """After the drain: the live sessions' audio threads."""
+        self._live.close()
+
+    def _job_ended(self, job_id: str, status: str) -> None:
+        """A job finished outside the runner (a kept live session): its end hooks (webhooks)."""
+        for hook in self._runner.on_end:
+            hook(job_id, status)
 
     # ---- the service ---------------------------------------------------------------------------
     async def backlog_s(self, max_age_s: float = 0.0) -> float:

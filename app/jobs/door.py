@@ -15,7 +15,7 @@ may see it, with this replica's live progress), and an event :class:`Subscriptio
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,7 +29,8 @@ from app.speakers.named import MAX_KNOWN, PART_BYTES
 from app.windows import JobOptions
 
 __all__ = ["KEEPALIVE_S", "MAX_KNOWN", "PART_BYTES", "TERMINAL", "Door", "EventFeed", "Health",
-           "JobView", "Readiness", "ServiceStatus", "Subscription", "Upload", "Writer"]
+           "JobView", "LiveCall", "LiveEnd", "Readiness", "ServiceStatus", "Subscription", "Upload",
+           "Writer"]
 
 # Copies the request's audio to the path the core gives, refusing more than the byte limit
 # (PayloadTooLarge); returns the bytes written. Blocking: the core runs it on a worker thread.
@@ -48,6 +49,26 @@ class Upload:
     callback_url: str | None = None  # webhooks: POSTed the job's summary when it ends
     idempotency_key: str | None = None  # the request's Idempotency-Key, parsed
     check: Callable[[float], None] | None = None  # may refuse the probed duration (raises)
+
+
+@dataclass(frozen=True)
+class LiveCall:
+    """A live transcription socket, as the core sees it (:meth:`Door.live`): the transport's
+    three moves and who is calling. The core accepts (with these response headers), reads and
+    sends; the transport closes the socket afterwards with :attr:`LiveEnd.code`."""
+
+    owner: str | None
+    accept: Callable[[dict[str, str]], Awaitable[None]]
+    receive: Callable[[], Awaitable[str | bytes | None]]  # None: the client has gone
+    send: Callable[[dict[str, Any]], Awaitable[None]]  # one server event (a JSON object)
+    callback_url: str | None = None  # webhooks: the kept transcript's job, when it ends
+
+
+@dataclass(frozen=True)
+class LiveEnd:
+    reason: str  # disconnected, idle_timeout, session_expired, session_limit, ...
+    job_id: str | None  # the job the transcript was kept as
+    code: int  # the WebSocket close code
 
 
 @dataclass(frozen=True)
@@ -194,4 +215,10 @@ class Door(Protocol):
 
     async def metrics_text(self) -> bytes:
         """Prometheus' text exposition, its point-in-time gauges refreshed."""
+        ...
+
+    # ---- live transcription --------------------------------------------------------------------
+    async def live(self, call: LiveCall) -> LiveEnd:
+        """Accept a ``/v1/realtime`` socket and serve one transcription session on it until the
+        client leaves or a limit ends it (app/jobs/live.py); its transcript is kept as a job."""
         ...

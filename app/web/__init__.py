@@ -8,6 +8,8 @@ from pathlib import Path
 WEB_DIR = Path(__file__).parent
 ASSETS: dict[str, str] = {  # what /web/<name> serves; nothing else in this folder is reachable
     "app.js": "text/javascript; charset=utf-8",
+    "live.js": "text/javascript; charset=utf-8",
+    "mic-worklet.js": "text/javascript; charset=utf-8",
     "style.css": "text/css; charset=utf-8",
 }
 # Public like /docs (they hold no data); every API call the page makes carries the user's key.

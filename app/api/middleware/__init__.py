@@ -8,7 +8,8 @@ beside the engine. From the outside in (:func:`install_middleware`):
    sees every answer, the other middlewares' included.
 2. ``HttpMetrics`` (observe.py): requests and latency by route and status.
 3. ``ApiKeyMiddleware`` or, without keys, ``LoopbackHostMiddleware`` (keys.py): the caller's
-   tenant, or 401, before any body byte is read.
+   tenant, or 401, before any body byte is read; on WebSocket handshakes (``/v1/realtime``)
+   too, where a short-lived client secret (secrets.py) may stand in for the key.
 4. ``IdempotencyGate`` (idempotency.py): a known ``Idempotency-Key`` is answered at once; the
    owner is known here, and a replay skips the backlog gate (it adds no work).
 5. ``BacklogGate`` (limits.py): 429 before the body is read while the backlog is full.
@@ -23,6 +24,7 @@ from app.api.middleware.idempotency import IdempotencyGate
 from app.api.middleware.keys import install_security
 from app.api.middleware.limits import BacklogGate, BodyLimitMiddleware
 from app.api.middleware.observe import HttpMetrics, RetryHints
+from app.api.middleware.secrets import ClientSecrets
 from app.config import Settings
 
 
@@ -31,6 +33,7 @@ def install_middleware(app: FastAPI, settings: Settings) -> None:
     app.add_middleware(BodyLimitMiddleware, max_upload_bytes=settings.limits.max_upload_bytes)
     app.add_middleware(BacklogGate)
     app.add_middleware(IdempotencyGate)
-    install_security(app, settings.security)
+    app.state.client_secrets = ClientSecrets(settings.live)  # /v1/realtime's short-lived tokens
+    install_security(app, settings.security, app.state.client_secrets)
     app.add_middleware(HttpMetrics)
     app.add_middleware(RetryHints)

@@ -33,7 +33,8 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.api.middleware.reply import send_error
+from app.api.middleware.reply import deny, send_error
+from app.api.middleware.secrets import ClientSecrets, handshake_tokens, is_secret
 from app.config import SecuritySettings, Settings
 from app.errors import NotFound, ServiceError
 from app.web import PAGE_PATHS
@@ -110,6 +111,14 @@ class LoopbackHostMiddleware:
         return is_loopback(h) or any(fnmatch.fnmatchcase(h, t) for t in self.trusted)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket":  # a live socket: the same Host rule, no key to cut
+            if self.allowed(host_header(scope)):
+                await self.app(scope, receive, send)
+            else:
+                await deny(scope, send, MisdirectedHost("this service has no API keys and "
+                                                        "answers only requests addressed to "
+                                                        "localhost"))
+            return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
@@ -198,13 +207,18 @@ def bearer_token(scope: Scope) -> str | None:
 class ApiKeyMiddleware:
     """Sets ``request.state.owner`` from a valid key; anything else gets a JSON 401."""
 
-    def __init__(self, app: ASGIApp, keys: KeyRing, open_: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, keys: KeyRing, open_: frozenset[str],
+                 secrets: ClientSecrets | None = None) -> None:
         self.app = app
         self.keys = keys
         self.open = open_
+        self.secrets = secrets
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in self.open:  # no websocket routes exist
+        if scope["type"] == "websocket":
+            await self._websocket(scope, receive, send)
+            return
+        if scope["type"] != "http" or scope["path"] in self.open:
             await self.app(scope, receive, send)
             return
         in_path = path_key(scope)
@@ -219,6 +233,29 @@ class ApiKeyMiddleware:
             await self._deny(send, scope["path"], invalid=token is not None)
             return
         # Starlette's request.state is a view of scope["state"] (uvicorn fills it per request).
+        scope.setdefault("state", {})["owner"] = owner
+        await self.app(scope, receive, send)
+
+    async def _websocket(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """A handshake: the header's key, else the subprotocol's token (a client secret or a
+        key), else the query's client secret (app/api/middleware/secrets.py); 401 otherwise."""
+        sub, query = handshake_tokens(scope)
+        token = bearer_token(scope) or sub or query
+        owner = None
+        if token is not None and is_secret(token) and self.secrets is not None:
+            valid, owner = self.secrets.owner(token)
+            owner = owner if valid else None
+            valid_owner = valid
+        else:
+            owner = self.keys.owner(token) if token else None
+            valid_owner = owner is not None
+        if not valid_owner:
+            err = Unauthorized("the API key or client secret is not valid" if token else
+                               "an API key is required: send 'Authorization: Bearer <key>', or "
+                               "a client secret as the subprotocol 'openai-insecure-api-key.<secret>'",
+                               scheme="Bearer")
+            await deny(scope, send, err, [(b"www-authenticate", f'Bearer realm="{REALM}"'.encode())])
+            return
         scope.setdefault("state", {})["owner"] = owner
         await self.app(scope, receive, send)
 
@@ -238,7 +275,8 @@ class ApiKeyMiddleware:
         await send_error(send, err, path, extra=[(b"www-authenticate", challenge.encode())])
 
 
-def install_security(app: FastAPI, settings: SecuritySettings) -> None:
+def install_security(app: FastAPI, settings: SecuritySettings,
+                     secrets: ClientSecrets | None = None) -> None:
     """Add the key check (only when keys are configured) and describe it in the OpenAPI spec;
     without keys, the Host check against DNS rebinding."""
     if not settings.api_key_sha256:
@@ -246,7 +284,7 @@ def install_security(app: FastAPI, settings: SecuritySettings) -> None:
                            open_=open_paths(settings))
         return
     app.add_middleware(ApiKeyMiddleware, keys=KeyRing(settings.api_key_sha256),
-                       open_=open_paths(settings))
+                       open_=open_paths(settings), secrets=secrets)
     default_openapi = app.openapi
     public = open_paths(settings)
 

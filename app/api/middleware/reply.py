@@ -24,6 +24,23 @@ async def send_error(send: Send, err: ServiceError, path: str, close: bool = Fal
     await send({"type": "http.response.body", "body": body})
 
 
+async def deny(scope: Scope, send: Send, err: ServiceError,
+               extra: list[tuple[bytes, bytes]] | None = None) -> None:
+    """Refuse a request before any route runs. A WebSocket handshake gets the same JSON answer
+    where the server speaks ASGI's denial-response extension (uvicorn does), else a close
+    before the accept (the client sees HTTP 403)."""
+    if scope["type"] == "http":
+        await send_error(send, err, scope["path"], extra=extra)
+    elif "websocket.http.response" in scope.get("extensions", {}):
+        body = json.dumps(err.body_for(scope["path"])).encode()
+        headers = [(b"content-type", b"application/json"), *(extra or [])]
+        await send({"type": "websocket.http.response.start", "status": err.status_code,
+                    "headers": headers})
+        await send({"type": "websocket.http.response.body", "body": body})
+    else:
+        await send({"type": "websocket.close", "code": 1008})
+
+
 def declared_length(scope: Scope) -> int | None:
     for name, value in scope.get("headers", ()):
         if name == b"content-length":

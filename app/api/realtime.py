@@ -1,0 +1,99 @@
+"""Live transcription over WebSocket: OpenAI's Realtime API with ``intent=transcription``.
+
+``GET /v1/realtime?intent=transcription`` (WebSocket): this module only moves messages between
+the socket and the core (``Door.live``, app/jobs/live.py, which runs
+:class:`app.live.session.LiveSession`). The caller is the key middleware's (app/api/middleware):
+an ``Authorization`` header, or a client secret in the ``openai-insecure-api-key.<secret>``
+subprotocol or the ``client_secret`` query parameter, for browsers. It is an ordinary FastAPI
+WebSocket route, so every ASGI middleware of the app sees its ``websocket`` scope.
+
+``POST /v1/realtime/client_secrets``: a short-lived token for that socket, in the shape of
+OpenAI's ephemeral keys (``{value, expires_at, session}``); it opens live sessions only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Depends, Request, WebSocket
+from starlette.websockets import WebSocketDisconnect
+
+from app.api.deps import Caller, caller
+from app.api.middleware.secrets import SUBPROTOCOL_KEY, ClientSecrets
+from app.jobs.door import Door, LiveCall
+
+router = APIRouter(tags=["live"])
+INTENTS = ("transcription",)
+JOB_HEADER = "x-batchscribe-job"
+
+
+def pick_subprotocol(offered: list[str]) -> str | None:
+    """The subprotocol to answer with: Chromium fails a handshake that offered some and got
+    none back, so ``realtime`` (what OpenAI's browser clients offer) when offered, else any
+    offered one but the key's (it would echo the secret), else that one."""
+    if not offered:
+        return None
+    if "realtime" in offered:
+        return "realtime"
+    plain = [p for p in offered if not p.startswith(SUBPROTOCOL_KEY)]
+    return plain[0] if plain else offered[0]
+
+
+@router.websocket("/v1/realtime")
+async def realtime(ws: WebSocket, intent: str | None = None,
+                   callback_url: str | None = None) -> None:
+    door: Door = ws.app.state.door
+    owner = ws.scope.get("state", {}).get("owner")
+    subprotocol = pick_subprotocol(list(ws.scope.get("subprotocols", ())))
+
+    async def accept(headers: dict[str, str]) -> None:
+        await ws.accept(subprotocol, headers=[(k.encode(), v.encode()) for k, v in headers.items()])
+
+    async def receive() -> str | bytes | None:
+        msg = await ws.receive()
+        if msg["type"] == "websocket.disconnect":
+            return None
+        return msg.get("text") if msg.get("text") is not None else msg.get("bytes") or b""
+
+    async def send(event: dict[str, Any]) -> None:
+        await ws.send_text(json.dumps(event, separators=(",", ":")))
+
+    refusal = (("invalid_intent", f"only intent=transcription is served here, not {intent!r}")
+               if intent not in INTENTS else
+               ("not_ready", "the model is not loaded yet, or the service is shutting down")
+               if not door.ready else None)
+    if refusal is not None:  # accepted to say why: a refused handshake shows only a status
+        await accept({})
+        await send({"type": "error", "event_id": None, "error": {
+            "type": "invalid_request_error", "code": refusal[0], "message": refusal[1],
+            "param": "intent" if refusal[0] == "invalid_intent" else None, "event_id": None}})
+        await ws.close(1008)
+        return
+    try:
+        end = await door.live(LiveCall(owner, accept, receive, send, callback_url))
+    except WebSocketDisconnect:
+        return
+    with contextlib.suppress(RuntimeError, WebSocketDisconnect):  # the client closed first
+        await ws.close(end.code)
+
+
+@router.post("/v1/realtime/client_secrets")
+async def client_secrets(
+    request: Request, who: Annotated[Caller, Depends(caller)],
+    body: Annotated[dict[str, Any] | None, Body()] = None,
+) -> dict[str, Any]:
+    """A short-lived token for ``/v1/realtime`` (a browser's WebSocket cannot send the key):
+    OpenAI's ephemeral-key answer, ``{value, expires_at, session}``. ``expires_after.seconds``
+    (10-7200) sets its lifetime, as on OpenAI's API."""
+    body = body or {}
+    signer: ClientSecrets = request.app.state.client_secrets
+    after = body.get("expires_after") or {}
+    seconds = after.get("seconds") if isinstance(after, dict) else None
+    ttl_s = seconds if isinstance(seconds, int) and 10 <= seconds <= 7200 else None
+    minted = signer.mint(who.owner, ttl_s)
+    session = body.get("session") if isinstance(body.get("session"), dict) else {}
+    return {"value": minted.value, "expires_at": minted.expires_at,
+            "session": {"type": "transcription", "object": "realtime.transcription_session",
+                        **(session or {})}}

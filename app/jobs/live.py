@@ -1,0 +1,210 @@
+"""Live sessions behind the door: admission (per key and in total), the session itself
+(:class:`app.live.session.LiveSession` on the shared batcher and Silero), its metrics, and its
+transcript kept as a job once it closes.
+
+The transport (``app/api/realtime.py``) hands over a :class:`app.jobs.door.LiveCall`: how to
+accept the socket, read a message and send an event. Everything after that is here, so the API
+module only moves bytes.
+
+* **Admission.** ``live.max_sessions`` on this replica and ``live.max_sessions_per_key`` per
+  tenant: past either, the socket is accepted, gets one ``error`` event (``session_limit``) and
+  is closed: a WebSocket client sees why, where a refused handshake shows only "403".
+* **Audio work** (base64, G.711, resampling, Silero) runs on this module's own two threads, not
+  the prep pool: the prep pool runs an upload's 60 s chunks (decode + VAD, about a second each
+  on this CPU) in rank order, and a 100 ms append must not wait behind one.
+* **Decodes** ride the shared batcher (:func:`app.live.decoding.batcher_decoder`), counted for
+  ``live_interim_decodes_total`` on the way.
+* **Kept as a job**: with ``live.keep_as_job`` the job id is fixed before the handshake
+  (the ``x-batchscribe-job`` response header) and the row is written, finished, when the
+  session ends however it ends (client gone, limit, drain): every committed turn's final is
+  awaited first (the session's wind-down), so nothing said is lost to a disconnect. Its webhook
+  goes out as any finished job's.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import numpy as np
+
+from app.audio.vad import Vad
+from app.batching.batcher import Batcher
+from app.config import Settings
+from app.jobs.door import LiveCall, LiveEnd
+from app.jobs.intake import new_job_id
+from app.jobs.store import JobStore
+from app.jobs.webhooks import check_callback_url
+from app.live.decoding import Decode, Decoded, Kind, LiveOptions, Shed, batcher_decoder
+from app.live.events import ErrorEvent
+from app.live.protocol import ProtocolError
+from app.live.session import LiveItem, LiveSession, VadModel, serve
+from app.metrics import Metrics
+from app.net.outbound import OutboundGuard
+from app.windows import JobOptions
+
+log = logging.getLogger(__name__)
+LIVE_THREADS = 2  # audio work of every session: ~1 ms of Silero per 100 ms append on this CPU
+CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_LATER = 1000, 1008, 1013
+
+
+class LiveHall:
+    """The open sessions of this replica, and what opens and keeps them."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, store: JobStore, batcher: Batcher,
+                 vad: Vad, outbound: OutboundGuard,
+                 ended: Callable[[str, str], None]) -> None:
+        self.settings = settings
+        self._metrics, self._store, self._batcher = metrics, store, batcher
+        self._vad: VadModel | None = vad if hasattr(vad, "probability_stream") else None  # type: ignore[assignment]
+        self._outbound = outbound
+        self._ended = ended  # the runner's end hooks: webhooks wake on a kept session
+        self._executor = ThreadPoolExecutor(LIVE_THREADS, thread_name_prefix="live")
+        self._open: Counter[str | None] = Counter()
+
+    @property
+    def open_sessions(self) -> int:
+        return sum(self._open.values())
+
+    def close(self) -> None:
+        self._executor.shutdown(wait=False, cancel_futures=True)
+
+    async def serve(self, call: LiveCall) -> LiveEnd:
+        """Accept the socket and run one session on it to its end."""
+        live = self.settings.live
+        job_id = new_job_id() if live.keep_as_job else None
+        await call.accept({"x-batchscribe-job": job_id} if job_id else {})
+        refusal = self._refusal(call.owner)
+        if refusal is not None:
+            self._metrics.live_refused.labels(refusal[0]).inc()
+            await call.send(ErrorEvent.of(ProtocolError(refusal[1], code="session_limit",
+                                                        type="invalid_request_error")).as_dict())
+            return LiveEnd("session_limit", None, CLOSE_TRY_LATER)
+        try:
+            callback = await self._callback(call.callback_url)
+        except Exception as exc:  # a refused callback_url: say why, open nothing
+            message = getattr(exc, "message", None) or str(exc)
+            await call.send(ErrorEvent.of(ProtocolError(message, code="invalid_value",
+                                                        param="callback_url")).as_dict())
+            return LiveEnd("invalid_callback_url", None, CLOSE_POLICY)
+        self._open[call.owner] += 1
+        self._metrics.live_sessions.inc()
+        started = time.time()
+        session = LiveSession(self._decoder(call.owner), self._vad, live, self._executor)
+        try:
+            arrived = [0.0]  # when the client's latest message came in
+            reason = await serve(session, timed_receive(call, arrived),
+                                 self._timed_send(call, arrived))
+        finally:
+            self._open[call.owner] -= 1
+            if not self._open[call.owner]:
+                del self._open[call.owner]
+            self._metrics.live_sessions.dec()
+            if job_id is not None:  # shielded: a cancelled handler still keeps what was said
+                await asyncio.shield(self._keep(job_id, call.owner, callback, session, started))
+        code = CLOSE_NORMAL if reason == "disconnected" else CLOSE_POLICY
+        return LiveEnd(reason, job_id, code)
+
+    # ---- admission ------------------------------------------------------------------------------
+    def _refusal(self, owner: str | None) -> tuple[str, str] | None:
+        live = self.settings.live
+        if self.open_sessions >= live.max_sessions:
+            return ("total", f"This service has {live.max_sessions} live sessions open, its "
+                    "maximum; try again later.")
+        if self._open[owner] >= live.max_sessions_per_key:
+            return ("key", f"This API key has {live.max_sessions_per_key} live sessions open, "
+                    "its maximum; close one first.")
+        return None
+
+    async def _callback(self, url: str | None) -> str | None:
+        return await check_callback_url(self.settings.webhooks, self._outbound, url)
+
+    # ---- decodes and timing ---------------------------------------------------------------------
+    def _decoder(self, owner: str | None) -> Decode:
+        inner = batcher_decoder(self._batcher, new_job_id()[:12], owner)
+        interim = self._metrics.live_interim
+
+        async def decode(audio: np.ndarray, options: LiveOptions, kind: Kind) -> Decoded:
+            if kind == "interim":
+                interim.labels("sent").inc()
+            try:
+                return await inner(audio, options, kind)
+            except Shed:
+                interim.labels("shed").inc()
+                raise
+
+        return decode
+
+    def _timed_send(self, call: LiveCall, arrived: list[float]
+                    ) -> Callable[[dict[str, Any]], Awaitable[None]]:
+        """The session's events out; turn latency and stream lag read off them as they pass."""
+        ended: dict[str, tuple[float, float]] = {}  # item id -> (end of turn, its message's arrival)
+        m = self._metrics
+
+        async def send(event: dict[str, Any]) -> None:
+            kind = event.get("type")
+            if kind == "input_audio_buffer.committed":
+                ended[event["item_id"]] = (time.monotonic(), arrived[0] or time.monotonic())
+            elif kind in ("conversation.item.input_audio_transcription.completed",
+                          "conversation.item.input_audio_transcription.failed"):
+                at = ended.pop(event.get("item_id", ""), None)
+                if at is not None and kind.endswith("completed"):
+                    now = time.monotonic()
+                    m.live_turn_latency.observe(now - at[0])
+                    m.live_lag.observe(now - at[1])
+            await call.send(event)
+
+        return send
+
+    # ---- the transcript as a job ----------------------------------------------------------------
+    async def _keep(self, job_id: str, owner: str | None, callback: str | None,
+                    session: LiveSession, started: float) -> None:
+        try:
+            tr = session.config.transcription
+            result = live_result(session.items, tr.language if tr is not None else None)
+            now = time.time()
+            ttl = self.settings.storage.result_ttl_s
+            hook = {"webhook_status": "pending", "webhook_next_at": now} if callback else {}
+            await self._store.insert(
+                id=job_id, owner=owner, status="done", created_at=started, started_at=started,
+                finished_at=now, expires_at=now + ttl, filename=f"live {session.id}",
+                upload_path=f"{job_id}.live",  # no upload: deleting it is a no-op
+                options=JobOptions(language=result["language"]).to_dict(),
+                audio_seconds=result["duration"], windows_total=len(session.items),
+                windows_done=len(session.items), attempts=1, queue_wait_s=0.0,
+                processing_s=now - started, result=result, callback_url=callback, **hook)
+            self._ended(job_id, "done")
+        except Exception:  # the session is over either way; say so in the log
+            log.exception("live session %s: its transcript could not be kept as job %s",
+                          session.id, job_id)
+
+
+def timed_receive(call: LiveCall, arrived: list[float]) -> Callable[[], Awaitable[str | bytes | None]]:
+    """The client's messages, each one's arrival kept in ``arrived[0]`` (the stream-lag metric)."""
+
+    async def receive() -> str | bytes | None:
+        msg = await call.receive()
+        arrived[0] = time.monotonic()
+        return msg
+
+    return receive
+
+
+def live_result(items: list[LiveItem], language: str | None) -> dict[str, Any]:
+    """A session's turns as a job result: one segment per committed turn, on the session's
+    audio clock (what the formats render: srt, vtt, tsv, text)."""
+    segments: list[dict[str, Any]] = [{"id": k, "start": it.start_ms / 1000, "end": it.end_ms / 1000,
+                 "text": (it.transcript or "").strip(), "language": language,
+                 "avg_logprob": None, "no_speech_prob": None, "compression_ratio": None,
+                 "temperature": 0.0, "seek": round(it.start_ms / 10), "tokens": [],
+                 **({"error": it.error} if it.error else {})}
+                for k, it in enumerate(items)]
+    return {"text": " ".join(s["text"] for s in segments if s["text"]), "language": language,
+            "language_probability": None,
+            "duration": items[-1].end_ms / 1000 if items else 0.0,
+            "segments": segments, "words": None}

@@ -1,0 +1,86 @@
+"""A live session's effective configuration (what ``session.updated`` echoes) and its limits.
+
+``session.update`` changes only the fields it carries (OpenAI's rule): a field given as ``null``
+is set to null (``turn_detection: null`` is manual mode), a field left out keeps its value.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from app.config import LiveSettings
+from app.live.audio import Format
+from app.live.protocol import (
+    AudioInput,
+    NoiseReduction,
+    PcmFormat,
+    ServerVad,
+    Transcription,
+    TranscriptionSession,
+)
+from app.live.turns import VadRules
+
+# A session's bounds and pacing are the service's ``live`` settings block (app/config).
+LiveLimits = LiveSettings
+
+
+@dataclass
+class SessionConfig:
+    format: Format = field(default_factory=PcmFormat)
+    transcription: Transcription | None = None
+    turn_detection: ServerVad | None = field(default_factory=ServerVad)
+    noise_reduction: NoiseReduction | None = None
+    include: list[str] | None = None
+
+    def apply(self, s: TranscriptionSession) -> tuple[bool, bool]:
+        """Apply an update; (format changed, turn detection changed)."""
+        fmt_changed = td_changed = False
+        if "include" in s.model_fields_set:
+            self.include = list(s.include) if s.include is not None else None
+        inp: AudioInput | None = s.audio.input if s.audio is not None else None
+        if inp is None:
+            return fmt_changed, td_changed
+        given = inp.model_fields_set
+        if "format" in given and inp.format is not None and inp.format != self.format:
+            self.format, fmt_changed = inp.format, True
+        if "transcription" in given:
+            self.transcription = inp.transcription
+        if "turn_detection" in given and inp.turn_detection != self.turn_detection:
+            self.turn_detection, td_changed = inp.turn_detection, True
+        if "noise_reduction" in given:
+            self.noise_reduction = inp.noise_reduction
+        return fmt_changed, td_changed
+
+    def rules(self, limits: LiveLimits) -> VadRules | None:
+        td = self.turn_detection
+        if td is None:
+            return None
+        return VadRules(td.threshold, td.prefix_padding_ms, td.silence_duration_ms,
+                        limits.max_turn_s)
+
+    def as_session(self, session_id: str, limits: LiveLimits, created: float) -> dict[str, Any]:
+        """The session object of ``session.created`` / ``session.updated``."""
+        tr = self.transcription or Transcription()
+        tr_out = tr.model_dump(exclude_none=True)
+        tr_out.setdefault("model", limits.model)
+        tr_out.setdefault("language", None)
+        tr_out.setdefault("prompt", None)
+        return {
+            "type": "transcription", "object": "realtime.transcription_session",
+            "id": session_id, "expires_at": int(created + limits.session_ttl_s),
+            "audio": {"input": {
+                "format": self.format.model_dump(exclude_none=True),
+                "transcription": tr_out,
+                "noise_reduction": (self.noise_reduction.model_dump(exclude_none=True)
+                                    if self.noise_reduction else None),
+                "turn_detection": (self.turn_detection.model_dump(exclude_none=True)
+                                   if self.turn_detection else None),
+            }},
+            "include": self.include,
+        }
+
+
+def wall_clock() -> float:
+    return time.time()

@@ -1,0 +1,393 @@
+"""One live transcription session: OpenAI's Realtime transcription protocol as a state machine,
+independent of the transport.
+
+The transport (phase B: the ``/v1/realtime`` WebSocket route) only moves messages::
+
+    session = LiveSession(decode, vad, limits, executor)
+    reason = await serve(session, receive, send)   # receive() -> str | bytes | None (gone)
+                                                   # send(event dict); then close the socket
+
+``run`` sends ``session.created``, handles each client message in order, and ends when
+``receive`` returns None (the client left), on the idle or total-duration limit (an ``error``
+event first), or when cancelled. Whatever way it ends, an open turn is committed and every
+turn's final decode is awaited, so :attr:`LiveSession.items` holds everything said (phase B
+keeps it as a job). Bad input never ends the session: it is answered with an ``error`` event.
+
+Audio work (base64, G.711, resampling, Silero) runs in ``executor``, never on the event loop;
+decodes go through the :class:`~app.live.decoding.Decode` awaitable. Turns, interim text and the
+event order are described in app/live/turns.py, app/live/agreement.py and app/live/events.py.
+A client sending faster than real time is slowed, not buffered: an append waits while
+``max_pending_finals`` turns of the session are decoding (the socket then stops being read).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Protocol, TypeVar
+
+import numpy as np
+
+from app.audio.cut import pieces
+from app.live.agreement import Agreement
+from app.live.audio import AudioDecoder, BadAudio, ChunkBuffer, b64decode
+from app.live.config import LiveLimits, SessionConfig, wall_clock
+from app.live.decoding import Decode, Kind, LiveOptions, Shed
+from app.live.events import (
+    Cleared,
+    Committed,
+    ErrorEvent,
+    ItemAdded,
+    ServerEvent,
+    SessionCreated,
+    SessionUpdated,
+    SpeechStarted,
+    SpeechStopped,
+    TranscriptionCompleted,
+    TranscriptionDelta,
+    TranscriptionFailed,
+    new_id,
+)
+from app.live.protocol import Append, Clear, Commit, ProtocolError, SessionUpdate, parse_client_event
+from app.live.turns import Edge, ProbabilityStream, SileroTurns
+from app.windows import N_SAMPLES, SAMPLE_RATE
+
+log = logging.getLogger(__name__)
+MIN_COMMIT = SAMPLE_RATE // 10  # OpenAI refuses to commit less than 100 ms
+T = TypeVar("T")
+Receive = Callable[[], Awaitable[str | bytes | None]]
+
+
+class VadModel(Protocol):
+    def probability_stream(self) -> ProbabilityStream: ...
+
+
+def ms(samples: int) -> int:
+    return samples * 1000 // SAMPLE_RATE
+
+
+@dataclass(eq=False)
+class Turn:
+    item_id: str
+    start: int  # absolute sample where its audio begins
+    vad: bool  # opened by server VAD (speech_started was sent)
+    agreement: Agreement = field(default_factory=Agreement)
+    interim: asyncio.Task[None] | None = None
+    interim_upto: int = 0  # buffer end when the last interim decode was launched
+    closed: bool = False
+
+
+@dataclass
+class LiveItem:
+    """A committed turn, what ``completed`` (or ``failed``) said of it."""
+
+    item_id: str
+    start_ms: int
+    end_ms: int
+    transcript: str | None = None
+    error: str | None = None
+    interim_text: str = ""  # what was sent before the turn ended
+
+
+class LiveSession:
+    def __init__(self, decode: Decode, vad: VadModel | None, limits: LiveLimits | None = None,
+                 executor: Executor | None = None, session_id: str | None = None) -> None:
+        self.id = session_id or new_id("sess")
+        self.limits = limits or LiveLimits()
+        self.outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.config = SessionConfig()
+        self.items: list[LiveItem] = []
+        self.counts = {"interim": 0, "interim_shed": 0, "final": 0, "errors": 0}
+        self._decode, self._vad, self._executor = decode, vad, executor
+        self._created = wall_clock()
+        self._audio = AudioDecoder(self.config.format)
+        self._buf = ChunkBuffer()
+        self._turn: Turn | None = None
+        self._turns = self._new_turns()
+        self._finals: set[asyncio.Task[None]] = set()
+        self._last_final: asyncio.Task[None] | None = None
+        self._last_item: str | None = None
+
+    # ---- the transport's side -----------------------------------------------------------------
+    async def run(self, receive: Receive) -> str:
+        """Serve until the client leaves or a limit; why it ended (see the module doc)."""
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        self._emit(SessionCreated(session=self._session()))
+        reason = "disconnected"
+        try:
+            while True:
+                left = started + self.limits.max_session_s - loop.time()
+                try:
+                    msg = await asyncio.wait_for(receive(), min(self.limits.idle_timeout_s, left))
+                except TimeoutError:
+                    expired = loop.time() - started >= self.limits.max_session_s
+                    reason = "session_expired" if expired else "idle_timeout"
+                    limit = (f"the maximum duration of {self.limits.max_session_s:.0f} s" if expired
+                             else f"{self.limits.idle_timeout_s:.0f} s without a client event")
+                    self._error(ProtocolError(f"The session hit {limit}; closing.", code=reason))
+                    break
+                if msg is None:
+                    break
+                await self.handle(msg)
+        finally:
+            await self._wind_down()
+        return reason
+
+    async def handle(self, raw: str | bytes) -> None:
+        """One client message; never raises for anything the client sent."""
+        event = parse_client_event(raw, self.limits.max_event_bytes)
+        try:
+            if isinstance(event, ProtocolError):
+                self._error(event)
+            elif isinstance(event, SessionUpdate):
+                self._update(event)
+            elif isinstance(event, Append):
+                await self._append(event)
+            elif isinstance(event, Commit):
+                self._commit(event)
+            elif isinstance(event, Clear):
+                self._clear()
+        except Exception as exc:  # a bug here must not drop the socket either
+            log.exception("live session %s: event failed", self.id)
+            self._error(ProtocolError(f"Internal error: {type(exc).__name__}", code="server_error",
+                                      type="server_error"))
+
+    # ---- client events ------------------------------------------------------------------------
+    def _update(self, ev: SessionUpdate) -> None:
+        old_td = self.config.turn_detection
+        fmt_changed, td_changed = self.config.apply(ev.session)
+        if td_changed and self.config.turn_detection is not None and self._vad is None:
+            self.config.turn_detection = old_td
+            self._error(ProtocolError("Server VAD is not available here; use null (manual turns).",
+                                      code="invalid_value", event_id=ev.event_id,
+                                      param="session.audio.input.turn_detection"))
+            return
+        if fmt_changed:
+            self._buf.append(self._audio.flush())
+            self._audio = AudioDecoder(self.config.format)
+        if td_changed:  # an open turn goes on, now ended by the new rules (or by a commit)
+            self._turns = self._new_turns()
+        self._emit(SessionUpdated(session=self._session()))
+
+    async def _append(self, ev: Append) -> None:
+        while len(self._finals) >= self.limits.max_pending_finals:
+            await asyncio.wait(set(self._finals), return_when=asyncio.FIRST_COMPLETED)
+        try:
+            samples, edges = await self._offload(self._ingest, ev.audio)
+        except BadAudio as exc:
+            self._error(ProtocolError(str(exc), code="invalid_value", param="audio",
+                                      event_id=ev.event_id))
+            return
+        t = self._turn
+        if self._turns is None and t is not None \
+                and self._buf.end + samples.size - t.start > self.limits.max_buffer_s * SAMPLE_RATE:
+            self._error(ProtocolError(
+                f"The input audio buffer holds {self.limits.max_buffer_s:.0f} s, its maximum: "
+                "commit it (or clear it); this append was dropped.",
+                code="input_audio_buffer_full", param="audio", event_id=ev.event_id))
+            return
+        at = self._buf.end
+        self._buf.append(samples)
+        if self._turns is None and self._turn is None and samples.size:
+            self._turn = Turn(new_id("item"), at, vad=False)  # manual: audio opens the item
+        for e in edges:
+            self._edge(e)
+        self._maybe_interim()
+        self._trim()
+
+    def _commit(self, ev: Commit) -> None:
+        t = self._turn
+        held = self._buf.end - t.start if t is not None else 0
+        if t is None or held < MIN_COMMIT:
+            self._error(ProtocolError(
+                "Error committing input audio buffer: buffer too small. Expected at least 100ms "
+                f"of audio, but buffer only has {held * 1000 / SAMPLE_RATE:.2f}ms of audio.",
+                code="input_audio_buffer_commit_empty", event_id=ev.event_id))
+            return
+        if self._turns is not None:
+            self._turns.detector.end_turn(self._buf.end)
+        self._close(self._buf.end, stopped=False)
+
+    def _clear(self) -> None:
+        if self._turn is not None:
+            self._turn.closed = True
+            if self._turn.interim is not None:
+                self._turn.interim.cancel()
+            self._turn = None
+        if self._turns is not None:
+            self._turns.detector.end_turn(self._buf.end)
+        self._buf.clear()
+        self._emit(Cleared())
+
+    # ---- turns --------------------------------------------------------------------------------
+    def _edge(self, e: Edge) -> None:
+        if e.kind == "start":
+            if self._turn is not None:  # a manual-mode turn the VAD now sees begin again
+                return
+            self._turn = Turn(new_id("item"), e.at, vad=True)
+            self._emit(SpeechStarted(audio_start_ms=ms(e.at), item_id=self._turn.item_id))
+        elif self._turn is not None:  # speech_stopped only for a turn speech_started opened
+            self._close(e.at, stopped=self._turn.vad)
+
+    def _close(self, end: int, stopped: bool) -> None:
+        t = self._turn
+        assert t is not None
+        self._turn, t.closed = None, True
+        if t.interim is not None:
+            t.interim.cancel()
+        if stopped:
+            self._emit(SpeechStopped(audio_end_ms=ms(end), item_id=t.item_id))
+        self._emit(Committed(item_id=t.item_id, previous_item_id=self._last_item))
+        self._emit(ItemAdded.user_audio(t.item_id, self._last_item))
+        self._last_item = t.item_id
+        item = LiveItem(t.item_id, ms(t.start), ms(end), interim_text=t.agreement.text)
+        self.items.append(item)
+        task = asyncio.create_task(self._final(t, item, self._buf.slice(t.start, end),
+                                               self._last_final))
+        self._finals.add(task)
+        task.add_done_callback(self._finals.discard)
+        self._last_final = task
+
+    async def _final(self, t: Turn, item: LiveItem, audio: np.ndarray,
+                     before: asyncio.Task[None] | None) -> None:
+        opts = self._options()
+        error: Exception | None = None
+        text = ""
+        try:
+            got = await asyncio.gather(*(self._decoded(audio[a:b], opts, "final")
+                                         for a, b in pieces(0, audio.size)))
+            text = " ".join(s for s in (g.strip() for g in got) if s) if len(got) > 1 \
+                else (got[0] if got else "")
+        except Exception as exc:
+            error = exc
+        if before is not None:  # completed events in turn order
+            await asyncio.wait({before})
+        if error is not None:
+            item.error = f"{type(error).__name__}: {error}"
+            log.warning("live session %s: final decode failed: %s", self.id, item.error)
+            self._emit(TranscriptionFailed.of(t.item_id, str(error) or type(error).__name__,
+                                              code=getattr(error, "cause", None) or "server_error"))
+            return
+        delta, item.transcript = t.agreement.final(text)
+        if delta:
+            self._emit(TranscriptionDelta(item_id=t.item_id, delta=delta))
+        self._emit(TranscriptionCompleted.of(t.item_id, item.transcript, audio.size / SAMPLE_RATE))
+
+    def _maybe_interim(self) -> None:
+        t = self._turn
+        every = SAMPLE_RATE * self.limits.interim_interval_ms // 1000
+        if t is None or every <= 0 or (t.interim is not None and not t.interim.done()):
+            return
+        if self._buf.end - max(t.start, t.interim_upto) < every or self._buf.end - t.start > N_SAMPLES:
+            return
+        t.interim_upto = self._buf.end
+        t.interim = asyncio.create_task(self._interim(t, self._buf.slice(t.start, self._buf.end)))
+
+    async def _interim(self, t: Turn, audio: np.ndarray) -> None:
+        try:
+            text = await self._decoded(audio, self._options(), "interim")
+        except Shed:
+            self.counts["interim_shed"] += 1
+            return
+        except Exception as exc:  # only the final's text matters; say it in the log
+            log.warning("live session %s: interim decode failed: %s", self.id, exc)
+            return
+        if t.closed:
+            return
+        delta = t.agreement.interim(text)
+        if delta:
+            self._emit(TranscriptionDelta(item_id=t.item_id, delta=delta))
+
+    async def _decoded(self, audio: np.ndarray, opts: LiveOptions, kind: Kind) -> str:
+        self.counts[kind] += 1
+        return (await self._decode(audio, opts, kind)).text
+
+    # ---- plumbing -----------------------------------------------------------------------------
+    def _ingest(self, payload: str) -> tuple[np.ndarray, list[Edge]]:
+        """Executor side: base64, format, resampling, VAD (this session's state only)."""
+        samples = self._audio.decode(b64decode(payload))
+        edges = self._turns.feed(samples) if self._turns is not None else []
+        return samples, edges
+
+    def _new_turns(self) -> SileroTurns | None:
+        rules = self.config.rules(self.limits)
+        if rules is None or self._vad is None:
+            return None
+        t = self._turn
+        return SileroTurns(self._vad.probability_stream(), rules,
+                           in_turn_from=t.start if t is not None else None, at=self._buf.end)
+
+    def _trim(self) -> None:
+        if self._turn is not None:
+            keep = self._turn.start
+        elif self._turns is not None:  # what a turn starting in the next append may reach back to
+            keep = self._buf.end - self._turns.detector.pad - 2 * 512
+        else:
+            keep = self._buf.end
+        self._buf.trim(keep)
+
+    def _options(self) -> LiveOptions:
+        tr = self.config.transcription
+        if tr is None:
+            return LiveOptions()
+        language = tr.language or (tr.languages[0] if tr.languages and len(tr.languages) == 1
+                                   else None)
+        return LiveOptions(language=language, prompt=tr.prompt,
+                           hotwords=" ".join(tr.keywords) if tr.keywords else None)
+
+    async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
+        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
+
+    def _session(self) -> dict[str, Any]:
+        return self.config.as_session(self.id, self.limits, self._created)
+
+    def _emit(self, event: ServerEvent) -> None:
+        self.outbox.put_nowait(event.as_dict())
+
+    def _error(self, err: ProtocolError) -> None:
+        self.counts["errors"] += 1
+        self._emit(ErrorEvent.of(err))
+
+    async def _wind_down(self) -> None:
+        """Commit an open turn, await every final decode, then close the outbox."""
+        try:
+            t = self._turn
+            if t is not None and self._buf.end - t.start >= MIN_COMMIT:
+                self._close(self._buf.end, stopped=False)
+            elif t is not None and t.interim is not None:
+                t.interim.cancel()
+            if self._finals:
+                await asyncio.gather(*self._finals, return_exceptions=True)
+        except asyncio.CancelledError:
+            for task in self._finals:
+                task.cancel()
+            raise
+        finally:
+            self.outbox.put_nowait(None)
+
+
+async def serve(session: LiveSession, receive: Receive,
+                send: Callable[[dict[str, Any]], Awaitable[None]]) -> str:
+    """Run ``session`` over a transport: its events go out through ``send`` in order (one
+    writer), while :meth:`LiveSession.run` reads. Returns why the session ended; a failing
+    ``send`` (the client went away) drops the rest of the events, never the session's work."""
+
+    async def write() -> None:
+        failed = False
+        while (event := await session.outbox.get()) is not None:
+            if failed:
+                continue
+            try:
+                await send(event)
+            except Exception:  # the peer is gone: keep draining so finals still finish
+                failed = True
+
+    writer = asyncio.create_task(write())
+    try:
+        return await session.run(receive)
+    finally:
+        await writer

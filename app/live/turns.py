@@ -1,0 +1,122 @@
+"""Server VAD: where a live turn starts and stops, from Silero's speech probabilities.
+
+OpenAI's ``server_vad`` rules, on the probabilities of the service's own Silero model
+(:meth:`app.audio.vad.SileroVad.probability_stream`, one per 512 samples = 32 ms):
+
+* speech starts at the first chunk with ``p >= threshold``; the turn's audio begins
+  ``prefix_padding_ms`` earlier (never before the previous turn's end), and that is the
+  ``audio_start_ms`` of ``speech_started``;
+* it stops once ``silence_duration_ms`` have passed since the probability last fell below
+  ``threshold - 0.15`` (Silero's hysteresis, as app/audio/spans.py) without rising back over
+  ``threshold``; ``audio_end_ms`` is that moment (OpenAI: "includes the silence duration");
+* a turn never outgrows Whisper's 30 s window (``max_turn_s``): it is cut at its last pause of
+  >= 98 ms (the split rule of faster-whisper's VAD), or hard at the limit, and the next turn
+  starts right there with no padding (the speech goes on).
+
+All positions are in 16 kHz samples since the session's first audio. Pure and synchronous: the
+session runs :meth:`SileroTurns.feed` in its executor (the model call is inference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+import numpy as np
+
+from app.audio.spans import CHUNK
+from app.windows import SAMPLE_RATE
+
+MIN_SPLIT_GAP = SAMPLE_RATE * 98 // 1000  # a pause a too-long turn may be cut at
+
+
+@dataclass(frozen=True)
+class Edge:
+    kind: Literal["start", "stop"]
+    at: int  # start: where the turn's audio begins (padding included); stop: where it ends
+    speech_end: int | None = None  # stop: where the last speech chunk ended
+    forced: bool = False  # stop: cut at max_turn_s, the next turn begins here
+
+
+@dataclass(frozen=True)
+class VadRules:
+    threshold: float = 0.5
+    prefix_padding_ms: int = 300
+    silence_duration_ms: int = 500
+    max_turn_s: float = 29.5
+
+
+class ProbabilityStream(Protocol):
+    def feed(self, samples: np.ndarray) -> np.ndarray: ...
+
+
+class TurnDetector:
+    """The rules above over a stream of probabilities (one per ``CHUNK`` samples)."""
+
+    def __init__(self, rules: VadRules, in_turn_from: int | None = None, at: int = 0) -> None:
+        self.rules = rules
+        self.neg = max(rules.threshold - 0.15, 0.01)
+        self.pad = SAMPLE_RATE * rules.prefix_padding_ms // 1000
+        self.silence = SAMPLE_RATE * rules.silence_duration_ms // 1000
+        self.max_turn = int(SAMPLE_RATE * rules.max_turn_s)
+        self.pos = at  # samples judged so far
+        self.turn_start: int | None = in_turn_from  # the open turn's audio start
+        self.floor = at  # no turn's audio starts before this (the last turn's end)
+        self._below: int | None = None  # where the probability last fell under neg
+        self._gap: int | None = None  # the open turn's last pause of >= 98 ms (its start)
+
+    def end_turn(self, at: int) -> None:
+        """The session ended the open turn at ``at`` (a commit, a clear): the next turn's audio
+        starts after it."""
+        self.turn_start, self._below, self._gap = None, None, None
+        self.floor = max(self.floor, at)
+
+    def feed(self, probs: np.ndarray) -> list[Edge]:
+        out: list[Edge] = []
+        for p in probs.tolist():
+            out += self._step(p, self.pos)
+            self.pos += CHUNK
+        return out
+
+    def _step(self, p: float, at: int) -> list[Edge]:
+        r = self.rules
+        if self.turn_start is None:
+            if p < r.threshold:
+                return []
+            self.turn_start = max(self.floor, at - self.pad)
+            self._below = self._gap = None
+            return [Edge("start", self.turn_start)]
+        out: list[Edge] = []
+        if p >= r.threshold:
+            if self._below is not None and at - self._below >= MIN_SPLIT_GAP:
+                self._gap = self._below
+            self._below = None
+        elif p < self.neg and self._below is None:
+            self._below = at
+        end = at + CHUNK
+        if self._below is not None and end - self._below >= self.silence:
+            out.append(Edge("stop", end, speech_end=self._below))
+            self.turn_start, self.floor = None, end
+            return out
+        if end - self.turn_start >= self.max_turn:
+            cut = self._gap if self._gap is not None and self._gap > self.turn_start else end
+            out.append(Edge("stop", cut, speech_end=cut, forced=True))
+            out.append(Edge("start", cut))
+            self.turn_start, self.floor = cut, cut
+            self._gap = None
+            if self._below is not None and self._below < cut:
+                self._below = cut
+        return out
+
+
+class SileroTurns:
+    """A session's turn detection: its own probability stream (the model's LSTM state carried
+    across appends) and :class:`TurnDetector`."""
+
+    def __init__(self, probs: ProbabilityStream, rules: VadRules,
+                 in_turn_from: int | None = None, at: int = 0) -> None:
+        self._probs = probs
+        self.detector = TurnDetector(rules, in_turn_from, at)
+
+    def feed(self, samples: np.ndarray) -> list[Edge]:
+        return self.detector.feed(self._probs.feed(samples))

@@ -1,0 +1,253 @@
+"""batchscribe's live bench (issue 34): N Realtime transcription sessions over ``/v1/realtime``,
+each streaming corpus speech at real-time pace with server VAD, optionally beside upload traffic.
+
+    PYTHONPATH=$PWD .venv/bin/python -m loadtest.live --streams 1,4,16 --seconds 60 \
+        --beside long --out loadtest/results/live.json          # phase B: the route exists
+
+Each session speaks OpenAI's protocol exactly as the official SDK does (``session.update`` of a
+transcription session: PCM16 at 24 kHz, ``server_vad`` 0.5 / 300 ms / 500 ms, language en; then
+``input_audio_buffer.append`` every 100 ms). An utterance is **finalised** by the first
+``...transcription.completed`` whose item reaches its end (the item's ``audio_end_ms`` from
+``speech_stopped`` within ``--tolerance`` of it, or a completed item that starts after it); its
+turn latency runs from its last chunk's send time to that event (so it includes the 500 ms of
+silence VAD waits for). Interim text: a ``delta`` for an item over the utterance before its last
+chunk was sent. Also counted: the protocol's own promise (each item's deltas join to its
+``transcript``), ``error`` and ``failed`` events. ``--batch-wer`` transcribes the same clips
+through ``/transcribe`` afterwards: live WER against batch WER of the same speech.
+
+``--beside long`` keeps a 20-minute upload in flight throughout (posted again when it ends), as
+loadtest/traffic.py does for short clips. Streams, pacing and scores: loadtest/live_common.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadtest.live_common import Outcome, Stream, build_stream, live_clips, loadavg, paced, score
+
+SESSION = {"type": "transcription", "audio": {"input": {
+    "format": {"type": "audio/pcm", "rate": 24000},
+    "transcription": {"model": "whisper-base", "language": "en"},
+    "turn_detection": {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+                       "silence_duration_ms": 500}}}}
+
+
+def to_pcm24(audio16: np.ndarray) -> bytes:
+    """16 kHz float32 to the 24 kHz PCM16 an OpenAI client sends (FFmpeg's resampler)."""
+    import av
+
+    from app.live.audio import encode_pcm16
+
+    r = av.AudioResampler(format="flt", layout="mono", rate=24_000)
+    frame = av.AudioFrame.from_ndarray(audio16.astype(np.float32)[None], format="flt",
+                                       layout="mono")
+    frame.sample_rate = 16_000
+    out = [f.to_ndarray().reshape(-1) for f in [*r.resample(frame), *r.resample(None)]]
+    return encode_pcm16(np.concatenate(out))
+
+
+class Items:
+    """One session's items as its events describe them."""
+
+    def __init__(self) -> None:
+        self.span: dict[str, list[float | None]] = {}  # item -> [start_s, end_s]
+        self.deltas: dict[str, str] = {}
+        self.done: dict[str, str] = {}  # item -> transcript, in completion order
+        self.broken = 0  # items whose deltas did not join to their transcript
+
+    def on(self, e: dict[str, Any], out: Outcome, stream: Stream, now: float,
+           tolerance: float) -> None:
+        kind, item = e["type"], e.get("item_id", "")
+        if kind == "input_audio_buffer.speech_started":
+            self.span[item] = [e["audio_start_ms"] / 1000, None]
+        elif kind == "input_audio_buffer.speech_stopped":
+            self.span.setdefault(item, [None, None])[1] = e["audio_end_ms"] / 1000
+        elif kind.endswith("input_audio_transcription.delta"):
+            self.deltas[item] = self.deltas.get(item, "") + (e.get("delta") or "")
+            start, end = self.span.get(item, [None, None])
+            for k, u in enumerate(stream.utterances):
+                if start is not None and start < u.end_s and (end is None or end > u.start_s) \
+                        and now < out.t0 + u.spoken_at:
+                    out.interim_before_end.add(k)
+        elif kind.endswith("input_audio_transcription.completed"):
+            self.done[item] = e["transcript"]
+            self.broken += self.deltas.get(item, "") != e["transcript"]
+            self._finalise(out, stream, now, tolerance)
+        elif kind.endswith("input_audio_transcription.failed") or kind == "error":
+            out.errors.append(json.dumps(e.get("error"))[:200])
+
+    def _finalise(self, out: Outcome, stream: Stream, now: float, tolerance: float) -> None:
+        spans = [self.span[i] for i in self.done if i in self.span]
+        ends = [s[1] for s in spans if s[1] is not None]
+        starts = [s[0] for s in spans if s[0] is not None]
+        for k, u in enumerate(stream.utterances):
+            if k in out.final_at:
+                continue
+            if (ends and max(ends) >= u.end_s - tolerance) or (starts and max(starts) >= u.end_s):
+                out.final_at[k] = now
+
+
+async def one_session(url: str, stream: Stream, headers: dict[str, str], drain_s: float,
+                      tolerance: float, delay_s: float = 0.0) -> tuple[Outcome, Items]:
+    import base64
+
+    import websockets
+
+    await asyncio.sleep(delay_s)
+    out, items = Outcome(), Items()
+    pcm = to_pcm24(np.concatenate([stream.audio, np.zeros(int(drain_s * 16_000), np.float32)]))
+    async with websockets.connect(url, additional_headers=headers, max_size=None) as ws:
+        created = json.loads(await ws.recv())
+        if created.get("type") != "session.created":
+            out.errors.append(f"first event {created.get('type')}")
+            return out, items
+        await ws.send(json.dumps({"type": "session.update", "session": SESSION}))
+
+        async def read() -> None:
+            async for raw in ws:
+                items.on(json.loads(raw), out, stream, time.monotonic(), tolerance)
+
+        reader = asyncio.create_task(read())
+        out.t0 = time.monotonic()
+        step = 4800  # bytes of 24 kHz PCM16 per 100 ms
+
+        async def send(k: int) -> None:
+            await ws.send(json.dumps({"type": "input_audio_buffer.append", "audio":
+                                      base64.b64encode(pcm[k * step:(k + 1) * step]).decode()}))
+
+        try:
+            await paced(-(-len(pcm) // step), send, out.t0)
+        except websockets.ConnectionClosed as exc:
+            out.errors.append(f"closed: {exc}")
+        reader.cancel()
+        await asyncio.gather(reader, return_exceptions=True)
+    out.text = " ".join(t.strip() for t in items.done.values() if t.strip())
+    return out, items
+
+
+async def run_sessions(url: str, streams: list[Stream], headers: dict[str, str] | None = None,
+                       drain_s: float = 5.0, tolerance: float = 0.5) -> dict[str, Any]:
+    got = await asyncio.gather(*(one_session(url, s, headers or {}, drain_s, tolerance, 0.2 * k)
+                                 for k, s in enumerate(streams)))
+    outcomes = [o for o, _ in got]
+    return {"streams": len(streams), **score(streams, outcomes),
+            "deltas_not_joining": sum(i.broken for _, i in got),
+            "items_completed": sum(len(i.done) for _, i in got),
+            "texts": [o.text for o in outcomes]}
+
+
+async def batch_wer(base_url: str, streams: list[Stream]) -> float | None:
+    """The same clips through ``/transcribe`` (language en), scored as the live streams are."""
+    from loadtest.common import load_corpus
+    from loadtest.scoring import wer_percent
+    from loadtest.service import Client
+
+    by_id = {c.id: c for c in load_corpus()}
+    used = [by_id[u.clip_id] for s in streams for u in s.utterances]
+    client = Client(base_url, used, "en")
+    try:
+        texts = {c.id: (await client.transcribe(c)).text or "" for c in {c.id: c for c in used}.values()}
+    finally:
+        await client.close()
+    refs = [" ".join(u.reference for u in s.utterances) for s in streams]
+    return wer_percent(refs, [" ".join(texts[u.clip_id] for u in s.utterances) for s in streams])
+
+
+async def keep_long(base_url: str, stop: asyncio.Event, minutes: float, work: Path) -> int:
+    """A long upload always in flight until ``stop``; how many were posted."""
+    from loadtest.common import load_corpus
+    from loadtest.service import TERMINAL, Client, write_long_wav
+
+    path = work / "long.wav"
+    await asyncio.to_thread(write_long_wav, load_corpus(), path, minutes * 60)
+    client = Client(base_url, [], "en")
+    blob, posted = path.read_bytes(), 0
+    try:
+        while not stop.is_set():
+            job = await client.submit(path.name, blob)
+            posted += 1
+            while (await client.job(job))["status"] not in TERMINAL:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), 1.0)
+                if stop.is_set():
+                    await client.cancel(job)
+                    break
+    finally:
+        await client.close()
+    return posted
+
+
+async def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
+    from loadtest.service import Server
+
+    server = None
+    base = args.url
+    if base is None:
+        server = Server(work / "server", env={"BATCHSCRIBE_MODEL__NAME": args.model}).start()
+        base = server.url
+    ws_url = base.replace("http", "ws", 1) + "/v1/realtime?intent=transcription"
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    clips = live_clips()
+    cache: dict[str, np.ndarray] = {}
+    results = []
+    try:
+        for n in (int(x) for x in args.streams.split(",")):
+            streams = [build_stream(clips, args.seconds, args.seed + k, cache=cache)
+                       for k in range(n)]
+            stop = asyncio.Event()
+            beside = (asyncio.create_task(keep_long(base, stop, args.long_minutes, work))
+                      if args.beside == "long" else None)
+            load = loadavg()
+            r = await run_sessions(ws_url, streams, headers, args.drain, args.tolerance)
+            stop.set()
+            r.update({"load_before": load, "load_after": loadavg(), "beside": args.beside,
+                      "long_uploads_posted": await beside if beside else 0})
+            if args.batch_wer:
+                r["batch_wer_percent"] = await batch_wer(base, streams)
+            results.append(r)
+            print(json.dumps({k: v for k, v in r.items() if k != "texts"}), flush=True)
+    finally:
+        if server is not None:
+            server.stop()
+    return results
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--url", help="a running service (default: start one)")
+    ap.add_argument("--api-key")
+    ap.add_argument("--streams", default="1,4")
+    ap.add_argument("--seconds", type=float, default=60.0, help="speech per stream (about)")
+    ap.add_argument("--drain", type=float, default=5.0, help="silence sent after the audio")
+    ap.add_argument("--tolerance", type=float, default=0.5)
+    ap.add_argument("--beside", choices=("none", "long"), default="none")
+    ap.add_argument("--long-minutes", type=float, default=20.0)
+    ap.add_argument("--batch-wer", action="store_true")
+    ap.add_argument("--seed", type=int, default=34)
+    ap.add_argument("--model", default="whisper-base")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="live-") as tmp:
+        results = asyncio.run(run(args, Path(tmp)))
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    from loadtest.common import machine_info
+
+    machine = machine_info()
+    args.out.write_text(json.dumps({
+        "commit": machine["git"], "clean_tree": machine["git_clean"], "machine": machine,
+        "target": "the service's /v1/realtime route" if args.url is None else args.url,
+        "args": {k: str(v) for k, v in vars(args).items() if k != "api_key"},
+        "results": results}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,148 @@
+"""What both live benches share (loadtest/live.py for batchscribe, loadtest/live_peer.py for
+WhisperLive): the streams, their real-time pacing, and the scoring.
+
+**A stream** is corpus speech as a microphone would give it: clips (1-15 s, English, no
+single-word set) in a seeded order, separated by pauses of 1.0-2.0 s, after 0.5 s of silence and
+followed by ``tail_s`` of silence (so a VAD can end the last utterance). Every stream of a run
+has its own order (seed + stream number), so N streams never speak in lockstep.
+
+**Pacing**: 100 ms chunks, chunk k (samples [k*1600, (k+1)*1600)) sent at t0 + (k+1) x 0.1 s:
+no chunk leaves before its audio would have been spoken, and lateness never accumulates (each
+send waits for its own deadline, not for 0.1 s after the previous one).
+
+**Turn latency**: from the send time of the chunk holding an utterance's last sample (the
+moment the speaker's last word reached the service) to the first message that finalises it.
+**Interim**: an utterance of >= 4 s got interim text if some non-final text covering it
+arrived before that same moment. WER: app.scoring (the project's one scorer) over the streams,
+each stream's finalised text against its utterances' references.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from loadtest.common import Clip, load_corpus
+from loadtest.scoring import latency_summary, wer_percent
+
+RATE = 16_000
+CHUNK_S = 0.1
+CHUNK = int(RATE * CHUNK_S)
+LONG_TURN_S = 4.0
+SKIP_SETS = ("commonvoice_single_word",)
+
+
+@dataclass(frozen=True)
+class Utterance:
+    clip_id: str
+    reference: str
+    start_s: float  # stream time
+    end_s: float
+
+    @property
+    def spoken_at(self) -> float:
+        """Stream time at which the chunk holding its last sample is sent."""
+        return float(np.ceil(self.end_s / CHUNK_S - 1e-9) * CHUNK_S)
+
+
+@dataclass
+class Stream:
+    audio: np.ndarray  # 16 kHz float32
+    utterances: list[Utterance]
+
+
+@dataclass
+class Outcome:
+    """What one stream's client saw."""
+
+    final_at: dict[int, float] = field(default_factory=dict)  # utterance -> wall time finalised
+    interim_before_end: set[int] = field(default_factory=set)
+    text: str = ""  # everything finalised, in order
+    errors: list[str] = field(default_factory=list)
+    t0: float = 0.0  # wall time of stream time 0
+
+
+def live_clips(clips: Sequence[Clip] | None = None) -> list[Clip]:
+    pool = clips if clips is not None else load_corpus()
+    return sorted((c for c in pool if 1.0 <= c.duration_s <= 15.0 and c.set not in SKIP_SETS),
+                  key=lambda c: c.id)
+
+
+def build_stream(clips: Sequence[Clip], seconds: float, seed: int, tail_s: float = 3.0,
+                 cache: dict[str, np.ndarray] | None = None) -> Stream:
+    """Clips in a seeded order with pauses until the speech passes ``seconds``."""
+    from app.audio import decode
+
+    rng = random.Random(seed)
+    order = list(clips)
+    rng.shuffle(order)
+    parts = [np.zeros(int(0.5 * RATE), np.float32)]
+    pos = parts[0].size
+    utts: list[Utterance] = []
+    for c in order:
+        if pos / RATE >= seconds:
+            break
+        if cache is not None and c.id in cache:
+            a = cache[c.id]
+        else:
+            a = decode(Path(c.path), 60.0)
+            if cache is not None:
+                cache[c.id] = a
+        utts.append(Utterance(c.id, c.reference, pos / RATE, (pos + a.size) / RATE))
+        pause = np.zeros(int(rng.uniform(1.0, 2.0) * RATE), np.float32)
+        parts += [a, pause]
+        pos += a.size + pause.size
+    parts.append(np.zeros(int(tail_s * RATE), np.float32))
+    return Stream(np.concatenate(parts), utts)
+
+
+async def paced(chunks: int, send: Callable[[int], Awaitable[None]], t0: float) -> None:
+    """``send(k)`` for each 100 ms chunk k, each at its deadline (see the module doc)."""
+    for k in range(chunks):
+        delay = t0 + (k + 1) * CHUNK_S - time.monotonic()
+        if delay > 0:
+            await asyncio.sleep(delay)
+        await send(k)
+
+
+def chunks_of(samples: int) -> int:
+    return -(-samples // CHUNK)
+
+
+def score(streams: Sequence[Stream], outcomes: Sequence[Outcome]) -> dict[str, Any]:
+    """Turn latency, utterances never finalised, interim text on long turns, WER."""
+    latencies, never, long_turns, long_interim = [], 0, 0, 0
+    for s, o in zip(streams, outcomes, strict=True):
+        for k, u in enumerate(s.utterances):
+            at = o.final_at.get(k)
+            if at is None:
+                never += 1
+            else:
+                latencies.append(at - (o.t0 + u.spoken_at))
+            if u.end_s - u.start_s >= LONG_TURN_S:
+                long_turns += 1
+                long_interim += k in o.interim_before_end
+    refs = [" ".join(u.reference for u in s.utterances) for s in streams]
+    return {
+        "utterances": sum(len(s.utterances) for s in streams),
+        "turn_latency": latency_summary(latencies),
+        "never_finalised": never,
+        "long_turns": long_turns,
+        "long_turns_with_interim": long_interim,
+        "interim_share": round(long_interim / long_turns, 3) if long_turns else None,
+        "wer_percent": wer_percent(refs, [o.text for o in outcomes]),
+        "errors": sorted({e for o in outcomes for e in o.errors})[:10],
+    }
+
+
+def loadavg() -> list[float]:
+    import os
+
+    return [round(x, 2) for x in os.getloadavg()]

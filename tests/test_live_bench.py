@@ -1,0 +1,133 @@
+"""The live bench's client (loadtest/live.py) and the official SDK's realtime client against a
+tiny WebSocket server that runs the real LiveSession (scripted decoder, energy VAD) through
+app.live.session.serve: what phase B's route will do, minus the engine."""
+
+from __future__ import annotations
+
+import base64
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app.live.audio import encode_pcm16
+from app.live.session import LiveSession, serve
+from loadtest.common import free_port
+from loadtest.live import run_sessions
+from loadtest.live_common import Stream, Utterance
+from tests.live_fakes import EnergyVad, ScriptedDecoder, silence, speech
+
+websockets = pytest.importorskip("websockets")
+
+
+@pytest.fixture
+async def fake_service() -> AsyncIterator[str]:
+    """ws://.../v1 of a server speaking the Realtime transcription protocol."""
+    from websockets.asyncio.server import ServerConnection
+    from websockets.asyncio.server import serve as ws_serve
+
+    async def handler(ws: ServerConnection) -> None:
+        if not ws.request or not ws.request.path.startswith(
+                "/v1/realtime?intent=transcription"):
+            await ws.close(4404, "not found")
+            return
+
+        async def receive() -> str | bytes | None:
+            try:
+                return await ws.recv()
+            except websockets.ConnectionClosed:
+                return None
+
+        async def send(event: dict[str, Any]) -> None:
+            await ws.send(json.dumps(event))
+
+        await serve(LiveSession(ScriptedDecoder(), EnergyVad()), receive, send)
+
+    port = free_port()
+    async with ws_serve(handler, "127.0.0.1", port, max_size=None):
+        yield f"ws://127.0.0.1:{port}/v1"
+
+
+def stream(*speech_s: float) -> Stream:
+    """Noise 'speech' the scripted decoder reads as two words a second, between pauses."""
+    parts, utts, pos = [silence(0.5, 16_000)], [], 8000
+    for k, s in enumerate(speech_s):
+        a = speech(s, 16_000, seed=k)
+        words = " ".join(f"w{i}" for i in range(round(s * 2)))
+        utts.append(Utterance(f"u{k}", words, pos / 16_000, (pos + a.size) / 16_000))
+        parts += [a, silence(1.5, 16_000)]
+        pos += a.size + 24_000
+    parts.append(silence(1.0, 16_000))
+    return Stream(np.concatenate(parts), utts)
+
+
+async def test_the_bench_client_measures_turns_against_the_protocol(fake_service: str) -> None:
+    url = fake_service + "/realtime?intent=transcription"
+    r = await run_sessions(url, [stream(4.5, 2.0), stream(2.5)], drain_s=1.0)
+    assert r["errors"] == [] and r["never_finalised"] == 0
+    assert r["utterances"] == 3 and r["turn_latency"]["n"] == 3
+    # a turn ends 500 ms into the silence; the scripted decode is instant
+    assert 0.4 <= r["turn_latency"]["p50_s"] <= 3.0
+    assert r["long_turns"] == 1 and r["interim_share"] == 1.0
+    assert r["deltas_not_joining"] == 0 and r["items_completed"] == 3
+    assert r["wer_percent"] == 0.0
+    assert r["texts"][0] == "w0 w1 w2 w3 w4 w5 w6 w7 w8 w0 w1 w2 w3"
+
+
+async def test_the_official_sdk_runs_a_transcription_session(fake_service: str) -> None:
+    from openai import AsyncOpenAI
+
+    client = AsyncOpenAI(api_key="sk-test", websocket_base_url=fake_service)
+    pcm = encode_pcm16(np.concatenate([silence(0.3), speech(2.0), silence(1.0)]))
+    seen: list[str] = []
+    deltas: dict[str, str] = {}
+    async with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+        await conn.session.update(session={
+            "type": "transcription",
+            "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                                "transcription": {"model": "whisper-1", "language": "en"},
+                                "turn_detection": {"type": "server_vad",
+                                                   "silence_duration_ms": 500}}}})
+        for k in range(0, len(pcm), 4800):
+            await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[k:k + 4800]).decode())
+        await conn.input_audio_buffer.append(audio="@@@")  # bad base64: an error, not a drop
+        async for event in conn:
+            seen.append(event.type)
+            if event.type == "conversation.item.input_audio_transcription.delta":
+                deltas[event.item_id] = deltas.get(event.item_id, "") + (event.delta or "")
+            if event.type == "conversation.item.input_audio_transcription.completed":
+                assert event.transcript == deltas[event.item_id] == "w0 w1 w2 w3"
+                break
+            if len(seen) > 100:
+                break
+        # manual commit on the same connection
+        await conn.session.update(session={"type": "transcription",
+                                           "audio": {"input": {"turn_detection": None}}})
+        await conn.input_audio_buffer.append(
+            audio=base64.b64encode(encode_pcm16(speech(1.0))).decode())
+        await conn.input_audio_buffer.commit()
+        async for event in conn:
+            seen.append(event.type)
+            if event.type == "conversation.item.input_audio_transcription.completed":
+                assert event.transcript == "w0 w1"
+                break
+    order = [t for t in seen if t not in ("conversation.item.input_audio_transcription.delta",
+                                          "error")]
+    assert order[:7] == ["session.created", "session.updated",
+                         "input_audio_buffer.speech_started", "input_audio_buffer.speech_stopped",
+                         "input_audio_buffer.committed", "conversation.item.added",
+                         "conversation.item.input_audio_transcription.completed"]
+    assert "error" in seen and seen[-1].endswith(".completed")
+    assert seen.count("input_audio_buffer.committed") == 2
+
+
+def test_bench_session_config_is_what_the_sdk_sends() -> None:
+    from openai.types.realtime.session_update_event_param import SessionUpdateEventParam
+
+    from app.live.protocol import SessionUpdate, parse_client_event
+    from loadtest.live import SESSION
+
+    ev: SessionUpdateEventParam = {"type": "session.update", "session": SESSION}  # type: ignore[typeddict-item]
+    assert isinstance(parse_client_event(json.dumps(ev)), SessionUpdate)

@@ -1,0 +1,68 @@
+"""The live decode adapters (app/live/decoding.py) on today's batcher and engine runner, with
+the fake engine: what phase B plugs a session into."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+
+import pytest
+
+from app.batching.batcher import Batcher
+from app.batching.stages import Stages
+from app.config import BatcherSettings
+from app.engine.placement import EngineRunner
+from app.live.decoding import LiveOptions, batcher_decoder, engine_decoder
+from app.metrics import Metrics
+from tests.fakes import BOUND, FakeStagedEngine, Started, tagged_window
+
+
+@pytest.fixture
+async def staged() -> AsyncIterator[tuple[FakeStagedEngine, Batcher]]:
+    started = Started()
+    fake = FakeStagedEngine(workers=1)
+    runner = EngineRunner(fake)
+    batcher = Batcher(runner.run, BatcherSettings(max_batch_size=4), 1, Metrics(),
+                      stages=Stages(runner.encode, runner.decode, fake.padded_samples))
+    started.add(fake, batcher)
+    yield fake, batcher
+    await started.stop()
+
+
+async def test_engine_decoder_is_one_engine_call() -> None:
+    fake = FakeStagedEngine()
+    decode = engine_decoder(EngineRunner(fake).run)
+    got = await decode(tagged_window(7).audio, LiveOptions(language="en"), "final")
+    assert got.text == "w7" and got.language == "en" and fake.calls == [("run", [7])]
+
+
+async def test_batcher_decoder_rides_the_shared_batcher(
+        staged: tuple[FakeStagedEngine, Batcher]) -> None:
+    fake, batcher = staged
+    decode = batcher_decoder(batcher, "sess_1")
+    got = await asyncio.wait_for(decode(tagged_window(5).audio, LiveOptions(language="de"),
+                                        "interim"), BOUND)
+    assert got.text == "w5" and got.language == "de"
+    assert [stage for stage, _ in fake.calls] == ["encode", "decode"]  # a short job: pooled
+
+
+async def test_a_cancelled_decode_never_reaches_the_engine(
+        staged: tuple[FakeStagedEngine, Batcher]) -> None:
+    """An interim decode the session gives up on (its turn ended) frees its queued window."""
+    fake, batcher = staged
+    decode = batcher_decoder(batcher, "sess_2")
+    fake.gate.clear()
+    first = asyncio.create_task(decode(tagged_window(1).audio, LiveOptions(), "final"))
+    await asyncio.to_thread(fake.entered.acquire, True, BOUND)  # in the engine, held
+    dropped = asyncio.create_task(decode(tagged_window(2).audio, LiveOptions(), "interim"))
+    await asyncio.sleep(0)  # submitted, queued behind the held call
+    assert batcher.pending() == 1
+    dropped.cancel()
+    fake.gate.set()
+    assert (await asyncio.wait_for(first, BOUND)).text == "w1"
+    with pytest.raises(asyncio.CancelledError):
+        await dropped
+    # a later decode finishes after anything queued before it would have run
+    assert (await asyncio.wait_for(decode(tagged_window(3).audio, LiveOptions(), "final"),
+                                   BOUND)).text == "w3"
+    assert all(2 not in tags for _, tags in fake.calls) and any(3 in t for _, t in fake.calls)

@@ -1,0 +1,96 @@
+"""End to end: the official ``openai`` SDK's realtime client against the real service
+(``python -m app``, the shared ``server`` fixture: whisper-base, Silero, today's batcher) on
+``/v1/realtime?intent=transcription``. One read-speech clip with server VAD, then a manual
+turn, then a bad event, on one connection: a few seconds of model time."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+from typing import Any
+
+import numpy as np
+import pytest
+
+from app.audio import decode
+from app.client.scoring import wer_percent
+from app.live.audio import encode_pcm16
+from tests.conftest import READ_SPEECH, Clip, Server
+
+pytestmark = pytest.mark.model
+BOUND = 60.0
+COMPLETED = "conversation.item.input_audio_transcription.completed"
+DELTA = "conversation.item.input_audio_transcription.delta"
+
+
+def pcm24(audio16: np.ndarray) -> bytes:
+    """16 kHz float32 -> 24 kHz PCM16 (the protocol's default format)."""
+    n = int(audio16.size * 1.5)
+    return encode_pcm16(np.interp(np.arange(n) / 1.5, np.arange(audio16.size), audio16)
+                        .astype(np.float32))
+
+
+async def events_until(conn: Any, kind: str, seen: list[Any]) -> Any:
+    async with asyncio.timeout(BOUND):
+        async for event in conn:
+            seen.append(event)
+            if event.type == kind:
+                return event
+    raise AssertionError(f"the connection ended before {kind}")
+
+
+async def test_the_openai_sdk_transcribes_live_on_the_service(server: Server,
+                                                             clips: list[Clip]) -> None:
+    from openai import AsyncOpenAI
+
+    clip = min((c for c in clips if c.set in READ_SPEECH and c.duration_s >= 4.0),
+               key=lambda c: c.duration_s)
+    speech = decode(clip.path, 60.0)
+    client = AsyncOpenAI(api_key="unused-here", base_url=server.url + "/v1",
+                         websocket_base_url=server.url.replace("http://", "ws://") + "/v1")
+    seen: list[Any] = []
+    async with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+        await conn.session.update(session={
+            "type": "transcription",
+            "audio": {"input": {"format": {"type": "audio/pcm", "rate": 24000},
+                                "transcription": {"model": "whisper-1", "language": "en"},
+                                "turn_detection": {"type": "server_vad",
+                                                   "silence_duration_ms": 500}}}})
+        pcm = pcm24(np.concatenate([np.zeros(4_800, np.float32), speech,
+                                    np.zeros(16_000, np.float32)]))
+        for k in range(0, len(pcm), 4_800):  # 100 ms appends at ~4x real time
+            await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[k:k + 4_800]).decode())
+            await asyncio.sleep(0.025)
+        done = await events_until(conn, COMPLETED, seen)
+        kinds = [e.type for e in seen]
+        for kind in ("session.created", "session.updated", "input_audio_buffer.speech_started",
+                     "input_audio_buffer.speech_stopped", "input_audio_buffer.committed", DELTA):
+            assert kind in kinds, kinds
+        assert kinds.index("input_audio_buffer.speech_stopped") < kinds.index(COMPLETED)
+        deltas = "".join(e.delta for e in seen if e.type == DELTA and e.item_id == done.item_id)
+        assert deltas == done.transcript  # what was shown is never contradicted
+        assert wer_percent([clip.reference], [done.transcript]) <= 25.0, done.transcript
+
+        # manual turns on the same connection: nothing happens until the commit
+        await conn.session.update(session={"type": "transcription",
+                                           "audio": {"input": {"turn_detection": None}}})
+        await events_until(conn, "session.updated", seen)
+        await conn.input_audio_buffer.append(audio=base64.b64encode(pcm24(speech)).decode())
+        await conn.input_audio_buffer.append(audio="@@@ not base64")
+        err = await events_until(conn, "error", seen)
+        assert err.error.type == "invalid_request_error"
+        await conn.input_audio_buffer.commit()
+        manual = await events_until(conn, COMPLETED, seen)
+        assert manual.item_id != done.item_id
+        assert wer_percent([clip.reference], [manual.transcript]) <= 25.0, manual.transcript
+
+
+def test_keyless_handshakes_answer_only_loopback_host_names(server: Server) -> None:
+    """Without keys the Host rule of every route holds on the socket too (DNS rebinding)."""
+    import httpx
+
+    upgrade = {"Connection": "Upgrade", "Upgrade": "websocket", "Sec-WebSocket-Version": "13",
+               "Sec-WebSocket-Key": base64.b64encode(b"0123456789abcdef").decode()}
+    with httpx.Client(base_url=server.url, timeout=30) as c:
+        r = c.get("/v1/realtime?intent=transcription", headers={**upgrade, "Host": "evil.example"})
+        assert r.status_code == 421, r.text
