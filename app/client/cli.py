@@ -3,6 +3,7 @@
     batchscribe transcribe talk.mp3 interview.wav --format srt -o subs/
     batchscribe dataset train.jsonl -o train.pred.jsonl --server http://a:8000 --server http://b:8000
     batchscribe dataset train.jsonl -o train.pred.jsonl --resume      # after an interruption
+    batchscribe dataset train.jsonl -o train.pred.jsonl --ray         # no service: Ray actors
 
 Exit status: 0 every file done; 1 some failed (or the time-out came first); 2 bad usage, a bad
 manifest or checkpoint, or a refused API key; 130 interrupted (dataset: resume with --resume).
@@ -70,6 +71,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d.add_argument("--uploads", type=int, default=4, help="concurrent uploads per server")
     d.add_argument("--log-every", type=float, default=30.0,
                    help="without a terminal: a progress line every this many seconds (0: none)")
+    r = d.add_argument_group("Ray (no service: the model in Ray actors, app/dataset; needs "
+                             "`pip install 'batchscribe[ray]'`)")
+    r.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run through Ray Data instead of --server: a local Ray without ADDRESS, "
+                   "else ray.init's address (auto, ray://head:10001)")
+    r.add_argument("--actors", type=int, default=None,
+                   help="with --ray: actors (default: one per GPU, else one per node)")
+    r.add_argument("--batch-rows", type=int, default=None,
+                   help="with --ray: rows per batch and per part file (default: 16 CPU, 32 GPU)")
     return p.parse_args(argv)
 
 
@@ -151,6 +161,14 @@ def main(argv: list[str] | None = None) -> int:
             print("interrupted", file=sys.stderr)
             return 130
     try:
+        if args.ray is not None:
+            from app.dataset.parts import PartsError
+            from app.dataset.run import run_ray
+
+            try:
+                return run_ray(args)
+            except PartsError as exc:
+                raise CheckpointError(str(exc)) from exc
         return run_dataset(args)
     except (ManifestError, CheckpointError, Fatal) as exc:
         print(f"error: {exc}", file=sys.stderr)
