@@ -9,8 +9,10 @@
   run (loadtest/results/gpu-h200.json) had the engine alone at ~1000x real time on whisper-base
   and the service at 160-370x, bounded by CPU prep, so a GPU actor needs many rows decoding at
   once to keep up with one engine.
-* **CPU**: one actor per node, holding the node's CPUs, with one CTranslate2 worker of one
-  thread per CPU and one prep thread per CPU: the service's own layout, measured on 2 cores as
+* Ray reserves one CPU less than an actor's threads use (see :func:`reserve`): Ray Data's own
+  tasks (reading files) need a CPU to run beside it.
+* **CPU**: one actor per node, using the node's cores, with one CTranslate2 worker of one
+  thread per core and one prep thread per core: the service's own layout, measured on 2 cores as
   the best engine configuration (two workers of one thread beat one of two; see README,
   Performance) with prep beside it at a few per cent of the CPU. Two actors on one node would
   load the model twice and halve the windows each batcher can pool. 64 rows in flight per actor
@@ -37,7 +39,8 @@ GPU_BATCH_ROWS, GPU_CALLS = 32, 8
 class Plan:
     device: str  # "cpu" or "cuda"
     actors: int
-    cpus_per_actor: float
+    cpus_per_actor: float  # what Ray reserves for an actor: its node's share, less one CPU
+    threads: int  # cores its engine workers and prep threads use (the node's share)
     gpus_per_actor: float
     batch_rows: int  # rows per map_batches call (and per part file)
     calls: int  # batches in flight per actor (their rows share the engine's batches)
@@ -62,8 +65,8 @@ class Plan:
         return kw
 
     def describe(self) -> str:
-        per = (f"{self.gpus_per_actor:g} GPU + {self.cpus_per_actor:g} CPU" if self.gpus_per_actor
-               else f"{self.cpus_per_actor:g} CPU")
+        per = (f"{self.gpus_per_actor:g} GPU + {self.threads} cores" if self.gpus_per_actor
+               else f"{self.threads} cores")
         return (f"{self.actors} actor(s) on {self.device}, {per} each, {self.batch_rows} rows per "
                 f"batch, {self.calls} batches in flight per actor")
 
@@ -86,28 +89,39 @@ def plan(cluster: Sequence[Mapping[str, float]], device: str = "auto", actors: i
         raise ValueError("BATCHSCRIBE_MODEL__DEVICE=cuda but the Ray cluster has no GPU")
     if use_gpu:
         n = actors or int(sum(math.floor(x["GPU"]) for x in gpu_nodes))
-        cpus = max(1.0, min(math.floor(x.get("CPU", 0) / math.floor(x["GPU"])) for x in gpu_nodes))
+        # The smallest share of a node's cores per GPU, so an actor fits on every GPU node.
+        threads = max(1, min(math.floor(x.get("CPU", 0)) // math.floor(x["GPU"])
+                             for x in gpu_nodes))
+        cpus = min(reserve(math.floor(x.get("CPU", 0)), math.floor(x["GPU"])) for x in gpu_nodes)
         rows, k = batch_rows or GPU_BATCH_ROWS, calls or GPU_CALLS
-        env = {"BATCHSCRIBE_MODEL__DEVICE": "cuda", "BATCHSCRIBE_PREP__WORKERS": str(int(cpus))}
-        p = Plan("cuda", n, cpus, 1.0, rows, k, env)
+        env = {"BATCHSCRIBE_MODEL__DEVICE": "cuda", "BATCHSCRIBE_PREP__WORKERS": str(threads)}
+        p = Plan("cuda", n, cpus, threads, 1.0, rows, k, env)
     else:
         cpu_nodes = [x for x in cluster if x.get("CPU", 0) >= 1]
         if not cpu_nodes:
             raise ValueError("the Ray cluster has no CPU to run an actor on")
-        cpus = float(min(math.floor(x["CPU"]) for x in cpu_nodes))
+        cores = min(math.floor(x["CPU"]) for x in cpu_nodes)
         n = actors or len(cpu_nodes)
-        if actors:  # several actors asked for: the node's CPUs shared out between them
-            per_node = max(1, math.ceil(actors / len(cpu_nodes)))
-            cpus = max(1.0, math.floor(cpus / per_node))
+        per_node = max(1, math.ceil(n / len(cpu_nodes)))  # several: the cores shared out
+        threads = max(1, cores // per_node)
         rows, k = batch_rows or CPU_BATCH_ROWS, calls or CPU_CALLS
-        env = {"BATCHSCRIBE_MODEL__DEVICE": "cpu", "BATCHSCRIBE_MODEL__NUM_WORKERS": str(int(cpus)),
-               "BATCHSCRIBE_MODEL__CPU_THREADS": "1", "BATCHSCRIBE_PREP__WORKERS": str(int(cpus))}
-        p = Plan("cpu", n, cpus, 0.0, rows, k, env)
+        env = {"BATCHSCRIBE_MODEL__DEVICE": "cpu", "BATCHSCRIBE_MODEL__NUM_WORKERS": str(threads),
+               "BATCHSCRIBE_MODEL__CPU_THREADS": "1", "BATCHSCRIBE_PREP__WORKERS": str(threads)}
+        p = Plan("cpu", n, reserve(cores, per_node), threads, 0.0, rows, k, env)
     env = {**p.env, "BATCHSCRIBE_STORAGE__MAX_ACTIVE_JOBS": str(max(p.rows_in_flight, 1))}
     # The operator's own settings win over the plan's.
     env = {k: v for k, v in env.items() if k not in environ}
-    return Plan(p.device, p.actors, p.cpus_per_actor, p.gpus_per_actor, p.batch_rows, p.calls,
-                {**env, **runtime_env_vars(environ)})
+    return Plan(p.device, p.actors, p.cpus_per_actor, p.threads, p.gpus_per_actor, p.batch_rows,
+                p.calls, {**env, **runtime_env_vars(environ)})
+
+
+def reserve(cores: int, actors_per_node: int) -> float:
+    """Ray CPUs an actor reserves: its share of the node less one CPU for the node (at least
+    half a CPU: Ray's CPUs may be fractions). Its threads use the whole share anyway (Ray's
+    CPUs are logical): the spare CPU is for Ray Data's own tasks. Measured here: an actor
+    holding both CPUs of a 2-CPU Ray left ``read_binary_files``' task no CPU, and the dataset
+    never finished."""
+    return max(0.5, round((cores - 1) / actors_per_node, 2))
 
 
 def runtime_env_vars(environ: Mapping[str, str]) -> dict[str, str]:

@@ -17,8 +17,9 @@ batch at a time would idle it for every batch's tail).
 Output rows are those of ``batchscribe dataset`` (app/client/rows.py: the input's fields plus
 ``pred_text``, ``language``, ``duration`` when the input has none, ``rtf``, ``wer``/``cer`` and
 the normaliser when there is a reference, optional ``segments``, ``words``, subtitle paths),
-plus ``error``: None, or why the row failed (its audio could not be read or decoded, as the
-service says it). A failed row never fails the stage. With ``parts_dir`` (and ``id_key``), each
+with ``diarize`` also ``speakers`` and ``segments`` with their ``speaker``; plus ``error``:
+None, or why the row failed (its audio could not be read or decoded, in the service's words).
+A failed row never fails the stage. With ``parts_dir`` (and ``id_key``), each
 batch is also written as one part file named by its row ids (app/dataset/parts.py).
 """
 
@@ -146,8 +147,13 @@ class Transcriber:
                   staged["audio"], _number(fields.get("duration")),
                   _text(fields.get(self.text_key)), _language(fields))
         job = {"result": done.result, "audio_seconds": done.audio_s, "rtf": done.rtf}
-        rec["out"], rec["facts"] = output_row(row, job, self.extras, staged["stem"] or
-                                              Path(staged["audio"].split("?", 1)[0]).stem)
+        stem = staged["stem"] or f"{Path(staged['audio'].split('?', 1)[0]).stem}-{staged['id']}"
+        rec["out"], rec["facts"] = out, _ = output_row(row, job, self.extras, stem)
+        result = done.result or {}
+        if self.request.diarize:  # who spoke when: the segments with their speaker
+            out["speakers"] = result.get("speakers") or []
+            out["segments"] = [{"start": g["start"], "end": g["end"], "text": str(g["text"]).strip(),
+                                "speaker": g.get("speaker")} for g in result.get("segments") or []]
         return rec
 
     def close(self) -> None:
