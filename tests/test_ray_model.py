@@ -6,12 +6,15 @@
 * An actor SIGKILLed mid-run: Ray restarts it and retries its blocks; every row is in the output
   once and in exactly one part file. A rerun with ``--resume`` then transcribes nothing and
   leaves every part untouched.
+* The CLI (and its local Ray) SIGKILLed mid-run, then ``--resume``: only the rows no part holds
+  are transcribed; every row once.
 * ``ray.data.read_binary_files`` rows (bytes) with word timestamps, and speakers, through the
   stage in a user's own pipeline.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -108,8 +111,8 @@ def test_corpus_through_ray_equals_dataset_mode(corpus: list[Clip], server: Serv
     assert s["ray"]["ids_in_two_parts"] == 0 and s["ray"]["plan"].startswith("1 actor(s) on cpu")
 
 
-def actor_pids() -> list[int]:
-    """This process's own Ray actors running the stage (descendants of this process only)."""
+def descendants(root: int) -> list[tuple[int, bytes]]:
+    """(pid, command line) of every process below ``root``: only processes this test started."""
     children: dict[int, list[int]] = {}
     for d in Path("/proc").iterdir():
         if d.name.isdigit():
@@ -118,17 +121,19 @@ def actor_pids() -> list[int]:
             except (OSError, IndexError, ValueError):
                 continue
             children.setdefault(ppid, []).append(int(d.name))
-    found, todo = [], [os.getpid()]
+    found, todo = [], [root]
     while todo:
         pid = todo.pop()
         for c in children.get(pid, []):
             todo.append(c)
-            try:
-                if b"MapBatches(Transcriber)" in Path(f"/proc/{c}/cmdline").read_bytes():
-                    found.append(c)
-            except OSError:
-                pass
+            with contextlib.suppress(OSError):
+                found.append((c, Path(f"/proc/{c}/cmdline").read_bytes()))
     return found
+
+
+def actor_pids() -> list[int]:
+    """This process's own Ray actors running the stage."""
+    return [p for p, cmd in descendants(os.getpid()) if b"MapBatches(Transcriber)" in cmd]
 
 
 @pytest.mark.timeout(600)
@@ -204,3 +209,43 @@ def test_user_pipeline_bytes_words_and_speakers(corpus: list[Clip], ray_local: A
     assert d["error"] is None and list(d["speakers"]) == ["SPEAKER_00", "SPEAKER_01"]
     assert {s["speaker"] for s in d["segments"]} == {"SPEAKER_00", "SPEAKER_01"}
 
+
+
+@pytest.mark.timeout(900)
+def test_cli_killed_then_resumed_skips_written_rows(corpus: list[Clip], tmp_path: Path) -> None:
+    """The real CLI with its own local Ray, SIGKILLed with every process it started once some
+    parts are written; ``--resume`` transcribes only the rows no part holds."""
+    clips = sorted(corpus, key=lambda c: c.duration_s)[:40]
+    manifest = nemo_manifest(clips, tmp_path / "m.jsonl")
+    out = tmp_path / "out.jsonl"
+    store = PartStore(out.with_name(out.name + ".parts"))
+    cmd = [sys.executable, "-m", "app.cli", "dataset", str(manifest), "-o", str(out),
+           "--language", "en", "--no-progress", "--ray", "--batch-rows", "2"]
+    log = (tmp_path / "first.log").open("wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    deadline = time.monotonic() + 600
+    try:
+        while store.scan().parts < 3 and proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert proc.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
+        tree = [p for p, _ in descendants(proc.pid)]
+        proc.kill()
+        for pid in tree:  # Ray's processes, started by that CLI
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+    finally:
+        proc.wait(30)
+        log.close()
+    first = store.scan()
+    assert 0 < len(first.records) < len(clips)
+    stamp = {p.name: p.stat().st_mtime_ns for p in store.root.glob("part-*")}
+    p = subprocess.run([*cmd, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+    rows = read_out(out)
+    assert Counter(r["id"] for r in rows) == Counter(c.id for c in clips)
+    scan = store.scan()
+    assert not scan.duplicates() and len(scan.done) == len(clips)
+    assert {n: t for n, t in ((q.name, q.stat().st_mtime_ns) for q in store.root.glob("part-*"))
+            if n in stamp} == stamp  # what the first run wrote was not written again
+    s = json.loads(out.with_suffix(".summary.json").read_text())
+    assert s["this_run"]["files"] == len(clips) - len(first.records)

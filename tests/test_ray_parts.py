@@ -77,14 +77,15 @@ def test_plan_one_actor_per_gpu_else_per_node() -> None:
     assert (gpus.device, gpus.actors, gpus.gpus_per_actor, gpus.threads) == ("cuda", 3, 1, 8)
     assert gpus.cpus_per_actor == 7  # fits every GPU node with a CPU to spare (8 - 1)
     assert gpus.env["BATCHSCRIBE_PREP__WORKERS"] == "8"
-    assert gpus.env["BATCHSCRIBE_STORAGE__MAX_ACTIVE_JOBS"] == str(gpus.rows_in_flight)
+    assert gpus.env["BATCHSCRIBE_STORAGE__MAX_ACTIVE_JOBS"] == str(gpus.rows_in_flight // 2)
     cpu = plan([{"CPU": 2, "GPU": 0}], environ={"LD_PRELOAD": "/x/libtcmalloc_minimal.so.4"})
     assert (cpu.device, cpu.actors, cpu.threads, cpu.gpus_per_actor) == ("cpu", 1, 2, 0)
     assert cpu.cpus_per_actor == 1  # a CPU left for Ray Data's read tasks
     assert cpu.env["BATCHSCRIBE_MODEL__NUM_WORKERS"] == "2"  # one 1-thread worker per core
     assert cpu.env["BATCHSCRIBE_MODEL__CPU_THREADS"] == "1"
     assert cpu.env["LD_PRELOAD"] == "/x/libtcmalloc_minimal.so.4"
-    assert cpu.rows_in_flight == 64 == int(cpu.env["BATCHSCRIBE_STORAGE__MAX_ACTIVE_JOBS"])
+    # Twice the rows it runs (the service's 64) wait in the actor: the next batch is there.
+    assert cpu.rows_in_flight == 128 and cpu.env["BATCHSCRIBE_STORAGE__MAX_ACTIVE_JOBS"] == "64"
     forced = plan([{"CPU": 8, "GPU": 1}], device="cpu", environ={})
     assert forced.device == "cpu" and forced.actors == 1 and forced.threads == 8
     two = plan([{"CPU": 8, "GPU": 0}], actors=2, environ={"BATCHSCRIBE_MODEL__NUM_WORKERS": "3"})

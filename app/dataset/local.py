@@ -29,7 +29,7 @@ import logging
 import threading
 import time
 from collections.abc import Coroutine, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar, cast
 
@@ -77,6 +77,7 @@ class Done:
     audio_s: float  # decoded length
     processing_s: float  # its work began -> transcript (the service's processing_s)
     error: str | None = None  # "type: message", as the service's failed job reports it
+    finished: float = field(default_factory=time.time)  # wall clock, for progress over time
 
     @property
     def rtf(self) -> float | None:

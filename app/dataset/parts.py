@@ -105,7 +105,9 @@ class PartStore:
 
     # ---- a block ------------------------------------------------------------------------------
     def write(self, records: Sequence[dict[str, Any]]) -> str:
-        """Write one block's records (each with its ``id``) durably under the block's name."""
+        """Write one block's records durably under the block's name. A record: ``id``, ``out``
+        (the output row, None if it failed), ``error``, ``facts`` (audio seconds, the score),
+        ``t`` (when its transcript was done, wall clock)."""
         name = part_name(r["id"] for r in records)
         self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".{name}.{uuid.uuid4().hex}.tmp"

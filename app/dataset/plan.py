@@ -4,19 +4,22 @@
   sets the actor's ``CUDA_VISIBLE_DEVICES``, so its pipeline sees one GPU and starts one
   engine), with its node's CPUs shared out per GPU for prep (decode and VAD run on the actor's
   prep threads). The engine batch cap is not chosen here: each actor's warm-up measures it on
-  its own GPU as the service does (app/engine/sizing.py), and the OOM backoff adapts it. Rows in
-  flight per actor (``calls x batch_rows``, and ``storage.max_active_jobs``) are 256: the H200
+  its own GPU as the service does (app/engine/sizing.py), and the OOM backoff adapts it. Rows
+  running per actor (``storage.max_active_jobs``) are 128: the H200
   run (loadtest/results/gpu-h200.json) had the engine alone at ~1000x real time on whisper-base
   and the service at 160-370x, bounded by CPU prep, so a GPU actor needs many rows decoding at
   once to keep up with one engine.
-* Ray reserves one CPU less than an actor's threads use (see :func:`reserve`): Ray Data's own
-  tasks (reading files) need a CPU to run beside it.
 * **CPU**: one actor per node, using the node's cores, with one CTranslate2 worker of one
   thread per core and one prep thread per core: the service's own layout, measured on 2 cores as
   the best engine configuration (two workers of one thread beat one of two; see README,
   Performance) with prep beside it at a few per cent of the CPU. Two actors on one node would
-  load the model twice and halve the windows each batcher can pool. 64 rows in flight per actor
-  (4 calls of 16): the service's ``max_active_jobs``.
+  load the model twice and halve the windows each batcher can pool. 64 rows running per actor:
+  the service's ``max_active_jobs``.
+* Twice as many rows are handed to an actor as it runs (``calls x batch_rows``): the rows of
+  the next batches wait their turn inside the actor (FIFO), so when a batch's last rows finish
+  the next rows are already there and the engine never waits for Ray to schedule a call.
+* Ray reserves one CPU less than an actor's threads use (see :func:`reserve`): Ray Data's own
+  tasks (reading files) need a CPU to run beside it.
 
 tcmalloc is preloaded in the actors when the driver has it (``scripts/env.sh``): measured on 2
 cores, CPU batches of 32 run at 38x real time with it, 16x with glibc malloc.
@@ -31,7 +34,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-CPU_BATCH_ROWS, CPU_CALLS = 16, 4
+CPU_BATCH_ROWS, CPU_CALLS = 16, 8
 GPU_BATCH_ROWS, GPU_CALLS = 32, 8
 
 
@@ -108,7 +111,7 @@ def plan(cluster: Sequence[Mapping[str, float]], device: str = "auto", actors: i
         env = {"BATCHSCRIBE_MODEL__DEVICE": "cpu", "BATCHSCRIBE_MODEL__NUM_WORKERS": str(threads),
                "BATCHSCRIBE_MODEL__CPU_THREADS": "1", "BATCHSCRIBE_PREP__WORKERS": str(threads)}
         p = Plan("cpu", n, reserve(cores, per_node), threads, 0.0, rows, k, env)
-    env = {**p.env, "BATCHSCRIBE_STORAGE__MAX_ACTIVE_JOBS": str(max(p.rows_in_flight, 1))}
+    env = {**p.env, "BATCHSCRIBE_STORAGE__MAX_ACTIVE_JOBS": str(max(p.rows_in_flight // 2, 1))}
     # The operator's own settings win over the plan's.
     env = {k: v for k, v in env.items() if k not in environ}
     return Plan(p.device, p.actors, p.cpus_per_actor, p.threads, p.gpus_per_actor, p.batch_rows,

@@ -26,6 +26,7 @@ batch is also written as one part file named by its row ids (app/dataset/parts.p
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -109,7 +110,7 @@ class Transcriber:
                     self.spool.release(s["job"].path, s["spooled"])
         if self.parts is not None:
             parts = self.parts
-            await asyncio.to_thread(parts.write, [{k: r[k] for k in ("id", "out", "error", "facts")}
+            await asyncio.to_thread(parts.write, [{k: r[k] for k in ("id", "out", "error", "facts", "t")}
                                                   for r in records])
         return records
 
@@ -139,7 +140,7 @@ class Transcriber:
     def _record(self, staged: dict[str, Any], done: Done | None) -> dict[str, Any]:
         fields = staged["fields"]
         rec = {"id": staged["id"], "fields": fields, "out": None, "facts": {"audio_s": 0.0},
-               "error": staged["error"]}
+               "error": staged["error"], "t": round(done.finished if done else time.time(), 3)}
         if done is None or done.error is not None:
             rec["error"] = rec["error"] or (done.error if done else "not transcribed")
             return rec
