@@ -8,8 +8,8 @@
   leaves every part untouched.
 * The CLI (and its local Ray) SIGKILLed mid-run, then ``--resume``: only the rows no part holds
   are transcribed; every row once.
-* ``ray.data.read_binary_files`` rows (bytes) with word timestamps, and speakers, through the
-  stage in a user's own pipeline.
+* ``ray.data.read_binary_files`` rows (bytes) with word timestamps and no language (detected),
+  and a diarized row, through the stage in a user's own pipeline.
 """
 
 from __future__ import annotations
@@ -187,8 +187,8 @@ def test_user_pipeline_bytes_words_and_speakers(corpus: list[Clip], ray_local: A
     ds = ray.data.read_binary_files([str(c.path) for c in picked] + [str(bad)],
                                     include_paths=True)
     layout = plan([{"CPU": 2, "GPU": 0}])
-    rows = ds.map_batches(Transcriber, fn_constructor_kwargs={
-        "language": "en", "words": True, "segments": True, "id_key": "path"},
+    rows = ds.map_batches(Transcriber, fn_constructor_kwargs={  # no language: detected
+        "words": True, "segments": True, "id_key": "path"},
         **layout.map_kwargs(), runtime_env={"env_vars": layout.env}).take_all()
     by_path = {r["path"]: r for r in rows}
     assert set(by_path) == {*(str(c.path) for c in picked), str(bad)}
@@ -196,6 +196,7 @@ def test_user_pipeline_bytes_words_and_speakers(corpus: list[Clip], ray_local: A
     for c in picked:
         r = by_path[str(c.path)]
         assert r["error"] is None and wer([c.reference], [r["pred_text"]]) < 0.3
+        assert r["language"] == "en"  # detected inside the batch
         words = list(r["words"])
         assert words and all(w["start"] <= w["end"] for w in words)
         assert [s["text"] for s in r["segments"]]

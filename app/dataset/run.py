@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import math
 import os
 import sys
@@ -44,10 +45,11 @@ def connect(address: str) -> None:
 
     if ray.is_initialized():
         return
+    quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
     if address == "local":
-        ray.init(include_dashboard=False, log_to_driver=False)
+        ray.init(include_dashboard=False, **quiet)  # the dashboard: CPU the engine needs
     else:
-        ray.init(address=address, log_to_driver=False)
+        ray.init(address=address, **quiet)
 
 
 def run_ray(args: argparse.Namespace) -> int:
