@@ -45,11 +45,10 @@ def connect(address: str) -> None:
 
     if ray.is_initialized():
         return
-    quiet = {"log_to_driver": False, "logging_level": logging.WARNING}
-    if address == "local":
-        ray.init(include_dashboard=False, **quiet)  # the dashboard: CPU the engine needs
+    if address == "local":  # no dashboard: CPU the engine needs
+        ray.init(include_dashboard=False, log_to_driver=False, logging_level=logging.WARNING)
     else:
-        ray.init(address=address, **quiet)
+        ray.init(address=address, log_to_driver=False, logging_level=logging.WARNING)
 
 
 def run_ray(args: argparse.Namespace) -> int:
