@@ -152,8 +152,8 @@ def on_paper(gpus: tuple[int, ...] = (1, 2, 4, 8)) -> dict[str, Any]:
                       "actors share nothing but the driver's small rows, so N add up; with fewer "
                       "cores per GPU scale by cores (prep is the bound); never above N x the "
                       "engine limit. Not measured on several GPUs.",
-        "n_gpus": {str(n): {"x_realtime": round(n * per_gpu), "hours_per_hour": round(n * per_gpu),
-                            "bound_x": round(n * limit)} for n in gpus},
+        "n_gpus": {str(n): {"x_realtime": round(n * per_gpu), "bound_x": round(n * limit)}
+                   for n in gpus},
     }
 
 
