@@ -1,4 +1,4 @@
-"""``python -m app``: run the service on its settings (environment variables, see README)."""
+"""``python -m app``: run the service on its settings (environment variables: docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ use_pci_bus_order()  # before CUDA initialises: CUDA ordinal k is NVML's GPU k
 import uvicorn  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
 
+from app.api.middleware.keys import exposure_problem, is_loopback  # noqa: E402
 from app.config import Settings  # noqa: E402
 from app.engine.loading import REFUSALS, preflight  # noqa: E402
 from app.main import create_app, setup_logging  # noqa: E402
-from app.security import exposure_problem, is_loopback  # noqa: E402
 
 
 class GracefulServer(uvicorn.Server):

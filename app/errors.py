@@ -15,7 +15,6 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 log = logging.getLogger(__name__)
 
@@ -166,36 +165,6 @@ def public_error(error: dict[str, Any] | None) -> dict[str, Any] | None:
     if isinstance(out.get("message"), str):
         out["message"] = _PATH.sub("<file>", out["message"])
     return out
-
-
-# A retry cannot fix these: the OpenAI SDK (and others reading the header) must not resend.
-# 408 and 429 mean "later"; 409 here means "not done yet" (GET /jobs/{id}/result).
-RETRYABLE_4XX = frozenset({408, 409, 425, 429})
-
-
-class RetryHints:
-    """Adds ``x-should-retry: false`` to every 4xx a retry cannot fix, unless the answer
-    already says. The OpenAI SDK retries 408/409/429/5xx twice by default, resending the whole
-    upload each time; with the header it stops at the first answer."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-
-        async def hinted(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                status = message["status"]
-                headers = list(message.get("headers", []))
-                if 400 <= status < 500 and status not in RETRYABLE_4XX and \
-                        not any(k.lower() == b"x-should-retry" for k, _ in headers):
-                    message = {**message, "headers": [*headers, (b"x-should-retry", b"false")]}
-            await send(message)
-
-        await self.app(scope, receive, hinted)
 
 
 def install_error_handlers(app: FastAPI) -> None:

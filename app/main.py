@@ -1,4 +1,4 @@
-"""App factory and lifespan: HTTP is kept apart from the engine, state lives on ``app.state``.
+"""App factory and lifespan: HTTP is kept apart from the engine; the core is ``app.state.door``.
 
 Nothing heavy happens at import. The lifespan resolves and loads the model (refusing to start,
 with the command to run, when there is none), opens the job store, starts the batcher and the
@@ -11,19 +11,15 @@ import asyncio
 import gc
 import json
 import logging
-import time
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any, cast
 
 from fastapi import FastAPI
-from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from app.api import asr, events, health, jobs, openai, status, transcribe, web
-from app.api.feeds import EventHub
-from app.api.idempotency import install_idempotency
+from app.api import asr, events, health, jobs, openai, transcribe, web
 from app.api.json_form import describe_json_bodies
-from app.api.limits import install_limits
+from app.api.middleware import install_middleware
 from app.audio.vad import make_vad
 from app.batching.batcher import Batcher
 from app.batching.stages import Stages
@@ -35,17 +31,17 @@ from app.engine.placement import EnginePool, make_pool
 from app.engine.sizing import resolve_batcher
 from app.engine.startup import EngineFactory, start_engines
 from app.engine.whisper import size_class
-from app.errors import RetryHints, ServiceError, install_error_handlers
+from app.errors import ServiceError, install_error_handlers
 from app.jobs.blobs import make_blobs
+from app.jobs.core import Core
+from app.jobs.door import Door
 from app.jobs.prep import prep_threads
 from app.jobs.runner import JobRunner
 from app.jobs.store import JobStore, StoreInUse, lock_sqlite
 from app.jobs.webhooks import WebhookDispatcher
 from app.metrics import Metrics
-from app.outbound import OutboundGuard
-from app.security import install_security
+from app.net.outbound import OutboundGuard
 from app.speakers.service import SpeakerService
-from app.state import AppState
 
 log = logging.getLogger("batchscribe")
 __all__ = ["create_app", "load_whisper", "setup_logging"]
@@ -136,29 +132,26 @@ def create_app(settings: Settings | None = None,
                            prep_workers=prep_threads(settings.prep.workers, len(engines)),
                            speakers=speakers)
         outbound = OutboundGuard(settings.outbound)
-        st = AppState(settings=settings, metrics=metrics, store=store, spool_dir=spool,
-                      languages=transcribe.whisper_languages(), runner=runner, batcher=batcher,
-                      engine=runner_engine, monitor=monitor, outbound=outbound,
-                      feeds=EventHub(settings.limits.max_event_streams_per_key))
         sizing = {"engines": [z.as_dict() for z in sizings],
                   "max_batch_size": batcher_settings.max_batch_size,
                   "max_batch_beams": batcher_settings.max_batch_beams}
-        st.extras["sizing"] = sizing
         if sizings:
             log.info("batch sizing", extra=sizing)
-        app.state.bs = st
+        core = Core(settings, metrics, store, runner, batcher, runner_engine, monitor, outbound,
+                    sizing)
+        door: Door = core  # what the routers and middleware see (mypy checks Core is a Door)
+        app.state.door = door
         # Webhooks only with a signing secret; pending deliveries of earlier runs resume here.
         webhooks = (WebhookDispatcher(settings.webhooks, store, outbound)
                     if settings.webhooks.enabled else None)
         if webhooks is not None:
             runner.on_end.append(webhooks.wake)
-            st.extras["webhooks"] = webhooks
         loop = asyncio.get_running_loop()
         stopping: list[asyncio.Future[None]] = []
 
         def drain() -> asyncio.Future[None]:
             """Refuse new work (503), finish the batch in flight, requeue the rest. Idempotent."""
-            st.ready = False
+            core.ready = False
             if not stopping:
                 stopping.append(asyncio.ensure_future(runner.stop(settings.shutdown_grace_s)))
             return stopping[0]
@@ -175,7 +168,7 @@ def create_app(settings: Settings | None = None,
         # stopped), about once a minute under load. Frozen, they are skipped from now on.
         gc.collect()
         gc.freeze()
-        st.ready = True
+        core.ready = True
         log.info("ready", extra={"model": engine.info.model, "device": engine.info.device,
                                  "workers": engine.info.num_workers, "vad": vad_kind})
         try:
@@ -199,58 +192,15 @@ def create_app(settings: Settings | None = None,
     app.include_router(events.router)
     app.include_router(openai.router)
     app.include_router(asr.router)  # whisper-asr-webservice's API (Bazarr)
-    app.include_router(status.router)
     app.include_router(web.router)  # the page at /
-    # Added innermost first: http_metrics sees every answer, keys are checked before any body
-    # byte is read, and the size limit counts bytes as they stream.
-    install_limits(app, settings.limits)
-    install_idempotency(app)  # between the two: the owner is known, a replay skips the backlog gate
-    install_security(app, settings.security)
-    describe_json_bodies(app)
-
-    app.add_middleware(HttpMetrics)
-    app.add_middleware(RetryHints)  # outermost: sees every answer, the middlewares' included
+    install_middleware(app, settings)  # the whole stack, in order: app/api/middleware
+    describe_json_bodies(app)  # after the API key check's own change to the OpenAPI spec
     return app
 
 
 # Starlette's parser allows 1000 file parts and 1000 fields per form by default: each part a
 # temporary file and a parse. Every route takes one file and a handful of fields.
 FORM_LIMITS: Any = {"max_files": 1, "max_fields": 32, "max_part_size": 64 * 1024}
-
-
-class HttpMetrics:
-    """Requests and latency by route and status: a plain ASGI middleware.
-
-    Not ``@app.middleware("http")``: Starlette's BaseHTTPMiddleware runs every request through a
-    task group and memory streams, which cost measurable CPU per request beside the engine.
-    """
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        status = 500
-
-        async def send_status(message: Message) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, send_status)
-        finally:
-            # The router records the matched route in the (shared) scope.
-            route = getattr(scope.get("route"), "path", "unmatched")
-            st: AppState | None = getattr(scope["app"].state, "bs", None)
-            if st is not None:
-                st.metrics.http_requests.labels(scope["method"], route, str(status)).inc()
-                st.metrics.http_duration.labels(scope["method"], route).observe(
-                    time.perf_counter() - start)
 
 
 class JsonFormatter(logging.Formatter):

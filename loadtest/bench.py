@@ -1,7 +1,7 @@
 """The benchmark of issue 3, one command, all comparisons in ONE run.
 
     .venv/bin/python -m loadtest.bench --duration 60 --clients 32 \
-        --out loadtest/results/bench.json --readme README.md
+        --out loadtest/results/bench.json --readme loadtest/README.md
 
 Phases, never overlapping (each heavy one in its own process, so thread pools and memory never
 mix, and tcmalloc is preloaded in each as scripts/env.sh does):

@@ -14,8 +14,9 @@ the host lacks, the model and the corpus, as numbered parts of at most ``--part-
 * part 1 also holds a tiny random Whisper in CTranslate2's format, so the first call can probe
   CTranslate2's GPU path (cuBLAS) before the rest has arrived.
 
-``unpack`` (there, stdlib only) moves whatever parts have arrived into ``--stage``, installs the
-wheels not yet installed into ``<stage>/site``, and once every part is there joins and checks
+``unpack`` (there, stdlib only) moves whatever parts have arrived into the stage
+(``GPU_BUNDLE_STAGE``, outside the repository on the lent hosts), installs the wheels not yet
+installed into ``<stage>/site``, and once every part is there joins and checks
 the model (sha256 against its manifest). ``env`` prints the variables to run with, including
 the cuBLAS route: CTranslate2's wheel dlopens ``libcublas.so.12`` (its CUDA runtime is
 static), and ``<stage>/lib`` gets a ``libcublas.so.12`` link to the host's cuBLAS when the host
@@ -158,8 +159,15 @@ def revision() -> str:
 
 
 # ---- unpack (there; stdlib only) --------------------------------------------------------------
+def stage_dir(bundle: Path) -> Path:
+    """Where parts are unpacked: ``GPU_BUNDLE_STAGE``, else ``<bundle>/stage``. On the lent
+    hosts it must lie outside the repository: each call replaces the carried folder's parent
+    there, so a stage inside ``.gpu`` was gone at the next call (seen on the H200)."""
+    return Path(os.environ.get("GPU_BUNDLE_STAGE") or bundle / "stage")
+
+
 def unpack(bundle: Path) -> int:
-    stage = bundle / "stage"
+    stage = stage_dir(bundle)
     stage.mkdir(parents=True, exist_ok=True)
     seen = json.loads((stage / "seen.json").read_text()) if (stage / "seen.json").exists() else {}
     for part in sorted(bundle.glob("p[0-9]*")):
@@ -226,7 +234,7 @@ def cublas12(stage: Path) -> str | None:
 
 
 def env(bundle: Path) -> None:
-    stage = (bundle / "stage").resolve()
+    stage = stage_dir(bundle).resolve()
     lib = cublas12(stage)
     paths = [str(stage / "site"), str(stage / "py"), str(ROOT)]
     ld = [p for p in (lib, os.environ.get("LD_LIBRARY_PATH")) if p]

@@ -130,7 +130,7 @@ async def measured(srv: Server, clips: list[Clip], language: str | None,
     finally:
         await client.close()
     ok = [r for r in results if r.ok]
-    short = [r for r in ok if r.clip.duration_s < 600]
+    short = [r for r in ok if r.clip.set != "long"]
     audio = sum(r.clip.duration_s for r in ok)
     wer = (wer_by_group([r.clip for r in short], {r.clip.id: r.text or "" for r in short})
            if short else {})
@@ -141,7 +141,7 @@ async def measured(srv: Server, clips: list[Clip], language: str | None,
         "throughput_x": round(audio / wall, 1) if wall else None,
         "wer_read_percent": wer.get("read_speech", {}).get("wer_percent"), "wer": wer,
         "latency_short": latency_summary([r.latency for r in short]),
-        "latency_long": [round(r.latency, 2) for r in ok if r.clip.duration_s >= 600],
+        "latency_long": [round(r.latency, 2) for r in ok if r.clip.set == "long"],
         "batch_size": histogram_delta(before, after, "batchscribe_batch_size_windows"),
         "oom_events": counter_delta(before, after, "batchscribe_oom_events_total"),
         "cap_after": after.get(("batchscribe_batch_cap_windows", "")),
@@ -329,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
         minutes = args.saturate_min or (20.0 if args.device == "cuda" else 2.0)
         part = Clip("part", str(args.work / "part.wav"),
                     write_long_wav(clips, args.work / "part.wav", minutes * 60), "", "long")
-        spy = profiled(srv, out_path.parent / "service-profile.txt", 15)
+        spy = profiled(srv, out_path.with_name(out_path.stem + "-profile.txt"), 15)
         report.step("saturate", lambda: run(measured(srv, clips, None, many_long(part, copies))))
         if spy is not None:
             spy.wait(60)

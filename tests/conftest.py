@@ -141,9 +141,11 @@ def make_server(tmp_path: Path) -> Iterator[type[Server]]:
         s.kill()
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def engine() -> Iterator[WhisperEngine]:
-    """The real engine in-process (one worker, two threads): for tests of the model seam."""
+    """The real engine in-process (one worker, two threads): for tests of the model seam. One
+    for the whole run (it was one per module: five loads of the model); a test that changes
+    it puts it back (tests/test_default_beam.py)."""
     s = Settings()
     eng = WhisperEngine(resolve(s.model.name, s.model.cache_dir, True),
                         ModelSettings(num_workers=1, cpu_threads=2), s.model.name)

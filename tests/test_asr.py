@@ -25,9 +25,10 @@ import webvtt
 from starlette.datastructures import UploadFile
 
 from app import audio
-from app.api.asr import asr_body, asr_json, spool_pcm
+from app.api.asr import spool_pcm
 from app.errors import PayloadTooLarge
-from app.formats import CueOptions
+from app.results.asr import asr_body, asr_json
+from app.results.formats import CueOptions
 from tests.conftest import CORPUS, Clip, Server
 from tests.test_crash import wait_until
 from tests.test_e2e import metric

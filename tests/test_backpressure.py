@@ -11,17 +11,15 @@ from __future__ import annotations
 
 import os
 import threading
-from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from app.state import DEFAULT_SPEED, AppState
+from app.jobs.speed import DEFAULT_SPEED, Speed
 from loadtest.common import proc_status_kb
 from tests.conftest import Clip, Server
 from tests.test_bad_input import HealthWatch
@@ -66,13 +64,16 @@ class BacklogWatch(threading.Thread):
                         self.values.append(float(line.split()[1]))
 
 
-@pytest.fixture
-def bounded(make_server: type[Server], tmp_path: Path) -> Iterator[Server]:
-    srv = make_server(tmp_path / "svc", env={
+@pytest.fixture(scope="module")
+def bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    """One small-backlog service for the module (it was one per test: the burst test leaves
+    nothing queued, every accepted job is awaited)."""
+    srv = Server(tmp_path_factory.mktemp("bounded"), env={
         "BATCHSCRIBE_LIMITS__MAX_BACKLOG_S": str(BACKLOG_S),
         "BATCHSCRIBE_LIMITS__SYNC_TIMEOUT_S": "0.5",
     }).start()
     yield srv
+    srv.kill()
 
 
 def burst_of(clips: list[Clip], audio_s: float) -> list[Clip]:
@@ -164,20 +165,19 @@ def test_retry_after_follows_the_current_speed() -> None:
     """Retry-After = excess audio / throughput, throughput measured over recent batches."""
     reg = CollectorRegistry()
     audio, busy = Counter("a", "", registry=reg), Counter("b", "", registry=reg)
-    st = SimpleNamespace(metrics=SimpleNamespace(audio_processed=audio, processing=busy),
-                         engine=SimpleNamespace(workers=2), _speed=deque())
-    st.speed = lambda: AppState.speed(st)  # type: ignore[arg-type]
-    assert AppState.retry_after_s(st, 100) == 10  # nothing measured yet: assume 10x realtime
+    speed = Speed(SimpleNamespace(audio_processed=audio, processing=busy),  # type: ignore[arg-type]
+                  lambda: 2)
+    assert speed.retry_after_s(100) == 10  # nothing measured yet: assume 10x realtime
     audio.inc(100)
     busy.inc(10)  # 10x realtime per worker, 2 workers: 20 audio s per second
-    st._speed.clear()
-    assert AppState.retry_after_s(st, 200) == 10
-    t, a, b = st._speed[0]
-    st._speed[0] = (t - 2, a, b)  # that sample is now 2 s old, so the next call records one
+    speed._recent.clear()
+    assert speed.retry_after_s(200) == 10
+    t, a, b = speed._recent[0]
+    speed._recent[0] = (t - 2, a, b)  # that sample is now 2 s old, so the next call records one
     audio.inc(100)
     busy.inc(50)  # the engine slowed down to 2x realtime per worker: 4 audio s per second now
-    assert AppState.retry_after_s(st, 200) == 50  # the whole run's average would say 20
-    assert AppState.retry_after_s(st, 10**9) == 3600  # capped
+    assert speed.retry_after_s(200) == 50  # the whole run's average would say 20
+    assert speed.retry_after_s(10**9) == 3600  # capped
 
 
 def test_speed_is_not_judged_before_any_audio_is_decoded() -> None:
@@ -185,12 +185,12 @@ def test_speed_is_not_judged_before_any_audio_is_decoded() -> None:
     decode): right after a start the whole run read ~0x, and /v1 refused a 1 s clip (413)."""
     reg = CollectorRegistry()
     audio, busy = Counter("a", "", registry=reg), Counter("b", "", registry=reg)
-    st = SimpleNamespace(metrics=SimpleNamespace(audio_processed=audio, processing=busy),
-                         engine=SimpleNamespace(workers=2), _speed=deque())
+    speed = Speed(SimpleNamespace(audio_processed=audio, processing=busy),  # type: ignore[arg-type]
+                  lambda: 2)
     busy.inc(0.5)  # the first encoder call ended, nothing decoded yet
-    assert AppState.speed(st) == DEFAULT_SPEED  # type: ignore[arg-type]
+    assert speed.now() == DEFAULT_SPEED
     busy.inc(7.5)
     audio.inc(1.5)  # one short window decoded beside 8 s of encoder time
-    assert AppState.speed(st) == DEFAULT_SPEED  # type: ignore[arg-type]
+    assert speed.now() == DEFAULT_SPEED
     audio.inc(78.5)  # enough measured: 80 audio s over 7.5 busy s since the first reading
-    assert AppState.speed(st) == pytest.approx(2 * 80 / 7.5)  # type: ignore[arg-type]
+    assert speed.now() == pytest.approx(2 * 80 / 7.5)

@@ -314,3 +314,36 @@ async def test_a_long_jobs_engine_memory_is_capped_and_spread_over_the_workers()
     assert [r.text for r in results] == [f"w{i}" for i in range(16)] + ["w100"]
     assert most == 4
     assert max(sum(1 for t in tags if t < 100) for _, tags in fake.batches) == 2
+
+
+async def test_the_primitive_pins_a_failure_on_its_item_in_halves() -> None:
+    """app/batching/queue.isolate, shared by both batchers: a bad item among eight costs five
+    more calls (not eight), fails alone, and every other caller gets its result."""
+    from dataclasses import dataclass
+
+    from app.batching.queue import answer, fail, isolate
+
+    @dataclass
+    class It:
+        n: int
+        future: asyncio.Future[int]
+
+    loop = asyncio.get_running_loop()
+    items = [It(n, loop.create_future()) for n in range(8)]
+    calls: list[list[int]] = []
+    failures: list[int] = []
+
+    async def call(batch: list[It]) -> None:
+        calls.append([i.n for i in batch])
+        if any(i.n == 5 for i in batch):
+            raise ValueError("bad item")
+        for i in batch:
+            answer(i, i.n * 10)
+
+    await isolate(items, call, fail, lambda batch, exc: failures.append(len(batch)))
+    assert calls == [list(range(8)), [0, 1, 2, 3], [4, 5, 6, 7], [4, 5], [4], [5], [6, 7]]
+    assert failures == [8, 4, 2, 1]
+    assert [i.future.result() for i in items if i.n != 5] == [0, 10, 20, 30, 40, 60, 70]
+    with pytest.raises(ValueError):
+        items[5].future.result()
+

@@ -17,7 +17,8 @@ from typing import Any
 import pytest
 
 from app.config import StorageSettings
-from app.jobs.blobs import LocalBlobs, S3Blobs, make_blobs, s3_client
+from app.jobs.blobs import LocalBlobs, S3Blobs, make_blobs
+from app.net.s3 import s3_client
 from tests.conftest import Clip, Server, free_port
 from tests.wer import wer
 

@@ -15,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from app import scoring
+from app.client import scoring
 from app.client.checkpoint import Checkpoint, CheckpointError
 from app.client.cli import main, parse_args, run_dataset
 from app.client.flow import Flow

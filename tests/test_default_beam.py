@@ -12,10 +12,12 @@ beam).
 
 from __future__ import annotations
 
+import functools
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 
 from app.audio import prepare
@@ -36,52 +38,62 @@ def test_the_beam_follows_the_language() -> None:
     assert old.decode_options().beam_for("fr") == 2
 
 
-def test_the_api_resolves_the_default_beams() -> None:
-    from app.api.transcribe import default_beams
+def test_the_default_beams_follow_the_language() -> None:
+    """The policy (app/engine/languages.py): English and the rest at their own default beam."""
+    from app.engine.languages import default_beams
 
-    class St:
-        settings = Settings()
+    assert default_beams(None, None, 1, 5) == (1, 5)  # detected: the engine decides per window
+    assert default_beams("en", None, 1, 5) == (1, None)
+    assert default_beams("fr", None, 1, 5) == (5, None)
+    assert default_beams(None, 3, 1, 5) == (3, None)  # the request's beam holds for every language
+    assert default_beams("fr", 1, 1, 5) == (1, None)
+    assert default_beams(None, None, 1, 1) == (1, None)
 
-    st: Any = St()
-    assert default_beams(st, None, None) == (1, 5)  # detected: the engine decides per window
-    assert default_beams(st, "en", None) == (1, None)
-    assert default_beams(st, "fr", None) == (5, None)
-    assert default_beams(st, None, 3) == (3, None)  # the request's beam holds for every language
-    assert default_beams(st, "fr", 1) == (1, None)
-    st.settings = Settings(default_beam_size_other=1)
-    assert default_beams(st, None, None) == (1, None)
+
+def test_the_language_list_is_whispers() -> None:
+    """The engine side's plain list of codes and names is the tokenizer's (faster-whisper keeps
+    it as a private constant, which the API used to import)."""
+    from faster_whisper.tokenizer import _LANGUAGE_CODES
+
+    from app.engine.languages import CODES, LANGUAGES
+
+    assert frozenset(_LANGUAGE_CODES) == CODES and len(LANGUAGES) == 100
+    assert LANGUAGES["en"] == "english" and LANGUAGES["yue"] == "cantonese"
 
 
 def test_a_request_carries_both_beams_unless_it_samples() -> None:
     from app.api.transcribe import decode_options
 
-    class St:
-        settings = Settings()
-        languages = frozenset({"en", "de"})
-
-    st: Any = St()
-    greedy = decode_options(st, None, "transcribe", None, None)
+    settings = Settings()
+    greedy = decode_options(settings, None, "transcribe", None, None)
     assert (greedy.beam_size, greedy.other_beam_size) == (1, 5)
     assert greedy.decode_options().beam_for("de") == 5
-    sampled = decode_options(st, None, "transcribe", None, None, temperature=0.4)
+    sampled = decode_options(settings, None, "transcribe", None, None, temperature=0.4)
     assert (sampled.beam_size, sampled.other_beam_size) == (1, None)
-    german = decode_options(st, "de", "transcribe", None, None)
+    german = decode_options(settings, "de", "transcribe", None, None)
     assert (german.beam_size, german.other_beam_size) == (5, None)
+    assert decode_options(Settings(default_beam_size_other=1), None, "transcribe", None,
+                          None).other_beam_size is None
 
 
 def _windows(clips: list[Clip]) -> list[Window]:
     """First windows of every multilingual clip (half given their language, half detected) and
-    of eight English clips (detected)."""
+    of eight English clips (detected): new Window objects each call (tests change them), cut
+    once per run (two tests use them: decoding and VAD of 44 clips each time)."""
+    return [Window(a, start, end, Prompt(language=lang)) for a, start, end, lang in _cut(
+        tuple(str(c.path) for c in clips if c.set == "librispeech")[:8])]
+
+
+@functools.cache
+def _cut(english: tuple[str, ...]) -> list[tuple[np.ndarray, float, float, str | None]]:
     vad = SileroVad()
     out = []
     for k, (_, path, language) in enumerate(multilingual()):
         w = prepare(path, vad, 3600.0)[1][0]
-        w.prompt = Prompt(language=language if k % 2 else None)
-        out.append(w)
-    for c in [c for c in clips if c.set == "librispeech"][:8]:
-        w = prepare(Path(c.path), vad, 3600.0)[1][0]
-        w.prompt = Prompt()
-        out.append(w)
+        out.append((w.audio, w.start, w.end, language if k % 2 else None))
+    for path in english:
+        w = prepare(Path(path), vad, 3600.0)[1][0]
+        out.append((w.audio, w.start, w.end, None))
     return out
 
 
@@ -99,22 +111,18 @@ def test_one_batch_decodes_each_language_at_its_beam(engine: WhisperEngine,
     for k, lang in enumerate(langs):
         by_beam[1 if lang == "en" else 5].append(k)
     again: dict[int, str] = {}
-    narrow: dict[int, str] = {}
+    parts: dict[int, list[tuple[int, Window]]] = {}
     for beam, idx in by_beam.items():
-        part = []
-        for k in idx:
-            w = Window(windows[k].audio, windows[k].start, windows[k].end, Prompt(language=langs[k]))
-            part.append(w)
-        for k, r in zip(idx, engine.transcribe_batch(part, DecodeOptions(beam_size=beam)),
-                        strict=True):
+        parts[beam] = [(k, Window(windows[k].audio, windows[k].start, windows[k].end,
+                                  Prompt(language=langs[k]))) for k in idx]
+        decoded = engine.transcribe_batch([w for _, w in parts[beam]], DecodeOptions(beam_size=beam))
+        for k, r in zip(idx, decoded, strict=True):
             again[k] = r.text
-        if beam == 5:
-            for k, r in zip(idx, engine.transcribe_batch(part, DecodeOptions(beam_size=1)),
-                            strict=True):
-                narrow[k] = r.text
     assert [r.text for r in together] == [again[k] for k in range(len(windows))]
-    # The wider beam is what reads them: at beam 1 some non-English windows read otherwise.
-    assert any(narrow[k] != again[k] for k in by_beam[5])
+    # The wider beam is what reads them: at beam 1 some non-English windows read otherwise
+    # (one such window is enough to show it; a window reads the same alone and in a batch).
+    assert any(engine.transcribe_batch([w], DecodeOptions(beam_size=1))[0].text != again[k]
+               for k, w in parts[5])
 
 
 @pytest.mark.model

@@ -9,11 +9,11 @@ import numpy as np
 import srt
 import webvtt
 
-from app.api.openai_shapes import verbose_json
 from app.client.transcribe import sse_events
 from app.engine.words import first_sound, sound_starts
-from app.formats import render
-from app.transcript import split_sentences, window_segments
+from app.results.formats import render
+from app.results.openai import verbose_json
+from app.results.transcript import split_sentences, window_segments
 from app.windows import SAMPLE_RATE, Window, WindowResult, Word
 
 

@@ -8,10 +8,9 @@ import asyncio
 import io
 import os
 import time
-from collections.abc import Iterator
+from collections.abc import Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -24,14 +23,17 @@ from starlette.routing import Route
 from starlette.testclient import TestClient
 
 from app.api.events import _stream
-from app.api.feeds import EventHub
-from app.api.transcribe import clean_name, spool_upload
+from app.api.middleware.keys import LoopbackHostMiddleware, exposure_problem, is_loopback
+from app.api.middleware.observe import RetryHints
+from app.api.transcribe import spool_upload
 from app.config import Settings
-from app.errors import Overloaded, RetryHints, public_error, status_of
+from app.errors import Overloaded, public_error, status_of
 from app.jobs.blobs import LocalBlobs
+from app.jobs.events import EventHub
+from app.jobs.intake import clean_name
 from app.jobs.store import JobStore
+from app.jobs.views import JobView
 from app.main import create_app
-from app.security import LoopbackHostMiddleware, exposure_problem, is_loopback
 from tests.conftest import Clip
 from tests.fakes import FakeEngine
 from tests.test_metrics import fake_settings, serve
@@ -39,7 +41,7 @@ from tests.test_metrics import fake_settings, serve
 
 # ---- event streams share one reader -------------------------------------------------------------
 class Runner:
-    """Just what the feed uses of the job runner."""
+    """Just what the event hub is given of the job runner: ``watch`` (and ``stopped``)."""
 
     stopped = False
 
@@ -59,8 +61,15 @@ class Runner:
         for ev in self.watchers.get(job_id, ()):
             ev.set()
 
-    def progress(self, job_id: str) -> None:
-        return None
+
+
+def hub_on(get: Callable[[str], Awaitable[Any]], runner: Runner, max_per_key: int) -> EventHub:
+    """The core's event hub (app/jobs/events.py) reading jobs through ``get`` (a store's)."""
+    async def read(job_id: str) -> JobView | None:
+        row = await get(job_id)
+        return JobView.of(row) if row is not None else None
+
+    return EventHub(max_per_key, read, runner.watch, lambda: runner.stopped)
 
 
 async def test_many_streams_on_one_job_read_the_store_once_per_change(tmp_path: Path) -> None:
@@ -76,13 +85,13 @@ async def test_many_streams_on_one_job_read_the_store_once_per_change(tmp_path: 
 
     store.get = counted  # type: ignore[method-assign]
     runner = Runner()
-    st: Any = SimpleNamespace(store=store, runner=runner, feeds=EventHub(max_per_key=500))
+    hub = hub_on(store.get, runner, max_per_key=500)
     await store.insert(id="j", owner="k", status="running", created_at=time.time(),
                        upload_path="j", options={}, audio_seconds=5.0, windows_done=0,
                        windows_total=4, attempts=1)
 
     async def listen() -> list[bytes]:
-        sub = st.feeds.open(st, "j", "k")
+        sub = hub.open("j", "k")
         try:
             return [chunk async for chunk in _stream(sub)]
         finally:
@@ -101,7 +110,7 @@ async def test_many_streams_on_one_job_read_the_store_once_per_change(tmp_path: 
     assert all(b"event: done" in b"".join(g) for g in got)
     assert all(b"event: progress" in b"".join(g) for g in got)
     assert reads <= 6, reads  # one reader for 200 streams: a read per change, not per stream
-    assert not st.feeds.feeds and not st.feeds.streams  # all released
+    assert not hub.feeds and not hub.streams  # all released
     await store.close()
 
 
@@ -109,9 +118,7 @@ async def test_a_failing_feed_ends_its_streams(tmp_path: Path) -> None:
     async def broken(job_id: str) -> Any:
         raise ConnectionError("the database went away")
 
-    st: Any = SimpleNamespace(store=SimpleNamespace(get=broken), runner=Runner(),
-                              feeds=EventHub(max_per_key=5))
-    sub = st.feeds.open(st, "j", None)
+    sub = hub_on(broken, Runner(), max_per_key=5).open("j", None)
     chunks = await asyncio.wait_for(_collect(_stream(sub)), 10)
     sub.release()
     assert chunks == [b"retry: 2000\n\n"]  # ended: the client reconnects
@@ -122,10 +129,10 @@ async def _collect(stream: Any) -> list[bytes]:
 
 
 def test_streams_are_capped_per_key() -> None:
-    hub = EventHub(max_per_key=2)
+    hub = hub_on(lambda job_id: asyncio.sleep(0), Runner(), max_per_key=2)
     hub.streams["k"] = 2
     with pytest.raises(Overloaded) as info:
-        hub.open(Any, "j", "k")  # refused before a feed is made
+        hub.open("j", "k")  # refused before a feed is made
     assert info.value.details["limit"] == "max_event_streams_per_key"
     assert info.value.headers["Retry-After"]
     assert not hub.feeds
@@ -245,9 +252,11 @@ def test_v1_never_leaves_a_job_running_behind_its_answer(tmp_path: Path, clips: 
     settings = fake_settings(tmp_path, limits={"openai_wait_s": 1.0})
     short = min((c for c in clips if c.set == "ljspeech"), key=lambda c: c.duration_s)
     long = max(clips, key=lambda c: c.duration_s)  # ~1 min: > 1 s x 10x realtime (no speed yet)
-    try:
-        with serve(create_app(settings, engine_factory=lambda s: fake)) as url, \
-                httpx.Client(base_url=url, timeout=60) as c:
+    # The gate opens before the service stops: left shut, the shutdown waited on the engine
+    # call it holds until serve() gave up on the server thread (60 s of this test's 60.4 s).
+    with serve(create_app(settings, engine_factory=lambda s: fake)) as url, \
+            httpx.Client(base_url=url, timeout=60) as c:
+        try:
             start = time.monotonic()
             r = c.post("/v1/audio/transcriptions", data={"model": "whisper-1"},
                        files={"file": (short.path.name, short.path.read_bytes())})
@@ -262,5 +271,5 @@ def test_v1_never_leaves_a_job_running_behind_its_answer(tmp_path: Path, clips: 
             assert r.status_code == 413 and r.headers["x-should-retry"] == "false", r.text
             assert "POST /transcribe" in r.json()["error"]["message"]
             assert not [j for j in c.get("/jobs").json()["jobs"] if j["filename"] == long.path.name]
-    finally:
-        fake.gate.set()
+        finally:
+            fake.gate.set()

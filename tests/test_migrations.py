@@ -1,4 +1,4 @@
-"""Versioned schema migrations (app/migrations) and the single-process SQLite restart rule.
+"""Versioned schema migrations (app/jobs/migrations) and the single-process SQLite restart rule.
 
 PostgreSQL gets the same checks, with two replicas migrating at once, in tests/test_postgres.py.
 """
@@ -15,8 +15,8 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 
 from app.config import Settings
+from app.jobs.migrations import config, head
 from app.jobs.store import JobStore, metadata
-from app.migrations import config, head
 
 
 def sync_url(path: Path) -> str:

@@ -1,7 +1,7 @@
 """OpenAI ``stream=true``: deltas in upload order as windows finish, then the whole text.
 
 In process: the runner's per-window results (``finished_prefix``) on a fake engine, and the
-event stream against a scripted runner and store (gaps, another replica, failures, a client
+event stream against a scripted door (gaps, another replica, failures, a client
 that hangs up). End to end with the ``openai`` client's stream iterator on the real model:
 the deltas add up to the final text and to the non-streamed text, and the first delta comes
 while windows are still being decoded.
@@ -15,7 +15,7 @@ import wave
 from collections.abc import Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -26,7 +26,7 @@ from openai import APIError, OpenAI
 
 from app import audio
 from app.api import openai_stream
-from app.jobs.runner import Active
+from app.jobs.work import Active
 from app.windows import SAMPLE_RATE, JobOptions, WindowResult
 from tests import test_jobs
 from tests.conftest import Clip, Server
@@ -70,7 +70,7 @@ async def test_every_window_is_readable_when_its_change_fires(
         seen.append(rig.runner.finished_prefix(job_id, 0))
         changed(job_id)
 
-    rig.runner.changed = spy  # type: ignore[method-assign]
+    rig.runner.tools = replace(rig.runner.tools, changed=spy)  # what a job's work reports to
     upload = rig.tmp / "j1"
     upload.write_bytes(clip.path.read_bytes())
     await rig.runner.submit("j1", upload, clip.path.name, JobOptions(), clip.duration_s, None)
@@ -94,7 +94,7 @@ async def _ended(rig: Rig, job_id: str) -> str:
             await ev.wait()
 
 
-# ---- the stream against a scripted runner ------------------------------------------------------
+# ---- the stream against a scripted door --------------------------------------------------------
 
 
 @dataclass
@@ -103,15 +103,23 @@ class Row:
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
 
+    @property
+    def ended(self) -> bool:
+        return self.status in ("done", "failed", "cancelled")
+
 
 @dataclass
-class FakeRunner:
-    prefix: list[str] | None = None  # window texts finished so far; None: not active here
+class FakeDoor:
+    """What the stream uses of the door, scripted: the job's row, the window texts finished
+    so far (None: the job is not active here), and whether the service is draining."""
+
+    row: Row
+    prefix: list[str] | None = None
     stopped: bool = False
     cancelled: list[str] = field(default_factory=list)
     events: list[asyncio.Event] = field(default_factory=list)
 
-    def finished_prefix(self, job_id: str, start: int) -> list[str] | None:
+    def finished_texts(self, job_id: str, start: int) -> list[str] | None:
         return None if self.prefix is None else self.prefix[start:]
 
     @contextmanager
@@ -124,23 +132,14 @@ class FakeRunner:
         for ev in self.events:
             ev.set()
 
-    async def cancel(self, row: Row) -> None:
-        self.cancelled.append(row.status)
-        row.status = "cancelled"
-
-
-@dataclass
-class FakeStore:
-    row: Row
-
-    async def get(self, job_id: str) -> Row:
+    async def get(self, job_id: str, owner: str | None) -> Row:
         return self.row
 
-
-@dataclass
-class FakeState:
-    runner: FakeRunner
-    store: FakeStore
+    async def cancel(self, job_id: str, owner: str | None) -> Row:
+        if not self.row.ended:
+            self.cancelled.append(self.row.status)
+            self.row.status = "cancelled"
+        return self.row
 
 
 def parse(chunk: bytes) -> dict[str, Any] | None:
@@ -152,9 +151,9 @@ def parse(chunk: bytes) -> dict[str, Any] | None:
 
 
 async def test_deltas_follow_upload_order_and_add_up_to_the_text() -> None:
-    runner = FakeRunner(prefix=[])
     row = Row("running")
-    gen = openai_stream.transcript_events(FakeState(runner, FakeStore(row)), "j")  # type: ignore[arg-type]
+    runner = FakeDoor(row, prefix=[])
+    gen = openai_stream.transcript_events(runner, "j", None)  # type: ignore[arg-type]
     got: list[dict[str, Any] | None] = []
     nxt = asyncio.ensure_future(gen.__anext__())
     await asyncio.sleep(0.05)
@@ -180,7 +179,7 @@ async def test_a_job_on_another_replica_streams_keepalives_then_its_text(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(openai_stream, "KEEPALIVE_S", 0.01)
     row = Row("running")
-    gen = openai_stream.transcript_events(FakeState(FakeRunner(), FakeStore(row)), "j")  # type: ignore[arg-type]
+    gen = openai_stream.transcript_events(FakeDoor(row), "j", None)  # type: ignore[arg-type]
     assert [parse(await gen.__anext__()) for _ in range(2)] == [None, None]  # keep-alives
     row.status, row.result = "done", {"text": "All of it."}
     assert [parse(c) async for c in gen] == [
@@ -192,15 +191,15 @@ async def test_a_job_on_another_replica_streams_keepalives_then_its_text(
 async def test_a_failed_job_ends_with_an_openai_error_event() -> None:
     row = Row("failed", error={"type": "transcription_failed", "message": "engine broke"})
     events = [parse(c) async for c in openai_stream.transcript_events(
-        FakeState(FakeRunner(), FakeStore(row)), "j")]  # type: ignore[arg-type]
+        FakeDoor(row), "j", None)]  # type: ignore[arg-type]
     assert events == [{"error": {"message": "engine broke", "type": "server_error", "param": None,
                                  "code": "transcription_failed"}}]
 
 
 async def test_a_client_that_hangs_up_cancels_the_job() -> None:
-    runner = FakeRunner(prefix=[" Hello."])
     row = Row("running")
-    gen = openai_stream.transcript_events(FakeState(runner, FakeStore(row)), "j")  # type: ignore[arg-type]
+    runner = FakeDoor(row, prefix=[" Hello."])
+    gen = openai_stream.transcript_events(runner, "j", None)  # type: ignore[arg-type]
     assert parse(await gen.__anext__()) is not None
     await gen.aclose()  # what Starlette does when the client disconnects
     await asyncio.sleep(0.05)  # the cancellation runs as its own task
@@ -208,9 +207,9 @@ async def test_a_client_that_hangs_up_cancels_the_job() -> None:
 
 
 async def test_draining_ends_the_stream_with_a_retryable_error() -> None:
-    runner = FakeRunner(prefix=[], stopped=True)
+    runner = FakeDoor(Row("running"), prefix=[], stopped=True)
     events = [parse(c) async for c in openai_stream.transcript_events(
-        FakeState(runner, FakeStore(Row("running"))), "j")]  # type: ignore[arg-type]
+        runner, "j", None)]  # type: ignore[arg-type]
     assert events[-1]["error"]["code"] == "shutting_down"  # type: ignore[index]
     await asyncio.sleep(0.05)
     assert runner.cancelled == ["running"]  # it will run nowhere else: the client retries

@@ -1,4 +1,4 @@
-"""The outbound guard (app/outbound.py), against real sockets on this machine; DNS is a stub.
+"""The outbound guard (app/net/outbound.py), against real sockets on this machine; DNS is a stub.
 
 Covers: which addresses are refused, the submit-time check, the connect-time check (DNS
 rebinding), that the connection goes to the checked address while TLS and Host keep the name,
@@ -20,7 +20,7 @@ import trustme
 
 from app.config import OutboundSettings
 from app.errors import BadRequest
-from app.outbound import OutboundError, OutboundGuard, address_problem
+from app.net.outbound import OutboundError, OutboundGuard, address_problem
 from loadtest.hostile_inputs import SSRF_URLS
 
 # The URLs the issue reported accepted (202) with webhooks on.

@@ -104,8 +104,8 @@ async def test_concurrent_migrations_and_skip_locked_claims(db: str) -> None:
     from alembic.autogenerate import compare_metadata
     from alembic.migration import MigrationContext
 
+    from app.jobs.migrations import head
     from app.jobs.store import JobStore, metadata
-    from app.migrations import head
 
     a, b = JobStore(db), JobStore(db)
     try:

@@ -26,8 +26,15 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
+from app.api.middleware.keys import (
+    ApiKeyMiddleware,
+    KeyRing,
+    LoopbackHostMiddleware,
+    key_digest,
+    open_paths,
+    owner_of,
+)
 from app.config import SecuritySettings, Settings
-from app.security import ApiKeyMiddleware, KeyRing, LoopbackHostMiddleware, key_digest, open_paths, owner_of
 from tests.conftest import ROOT, Clip, Server, free_port
 from tests.test_asr import bazarr, pcm
 from tests.test_crash import wait_until

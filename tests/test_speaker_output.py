@@ -13,11 +13,11 @@ import pytest
 import srt
 import webvtt
 
-from app.api.openai_shapes import diarized_json, speaker_letter
 from app.audio import AudioStream, decode, prepare
 from app.audio.vad import SileroVad
-from app.formats import CueOptions, render
-from app.transcript import transcript
+from app.results.formats import CueOptions, render
+from app.results.openai import diarized_json, speaker_letter
+from app.results.transcript import transcript
 from app.windows import SAMPLE_RATE, Window, WindowResult, Word
 from loadtest.common import write_wav16
 from tests.conftest import Clip

@@ -20,8 +20,8 @@ from typing import Any
 import numpy as np
 import pytest
 
+from app.batching.queue import ModelBatcher
 from app.speakers import Diarizer, Turn, assign_speakers
-from app.speakers.batcher import ModelBatcher
 from app.speakers.models import SAMPLE_RATE, FrameGrid, SpeakerModels
 from models.provision import default_cache_dir
 from models.registry import SPEAKERS_MODEL, VERIFIED_MARKER
@@ -160,7 +160,7 @@ async def test_speaker_named_transcript_of_the_sample(diarizer: Diarizer, engine
     the 12 speaker changes may fall on either side."""
     from app import audio as audio_mod
     from app.audio.vad import SileroVad
-    from app.transcript import transcript
+    from app.results.transcript import transcript
     from app.windows import DecodeOptions, Prompt
 
     _, samples = sample_audio()

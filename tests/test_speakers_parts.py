@@ -185,7 +185,7 @@ async def test_stopping_the_batcher_answers_every_caller() -> None:
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from app.speakers.batcher import ModelBatcher
+    from app.batching.queue import ModelBatcher
 
     gate, pool = threading.Event(), ThreadPoolExecutor(1)
     b: ModelBatcher[int, int] = ModelBatcher(lambda xs: gate.wait(30) and xs, pool, max_batch=1)

@@ -9,7 +9,7 @@ import itertools
 import srt
 import webvtt
 
-from app.formats import CueOptions, cues, render, segment_words
+from app.results.formats import CueOptions, cues, render, segment_words
 
 SENTENCE = "The quick brown fox jumps over the lazy dog near the riverbank today."
 WORDS = SENTENCE.split()

@@ -1,11 +1,13 @@
 """Synchronous waits (app/api/waiting.py), shared by /asr, /detect-language and the OpenAI route:
-a job that ends on another replica is noticed through the store, a client that hangs up is
+a job that ends on another replica is noticed through the store (the runner's wait,
+:meth:`app.jobs.runner.JobRunner.wait_ended`, behind the door's), a client that hangs up is
 noticed at once, and a job that outlives the wait is reported as still running."""
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from types import SimpleNamespace
 from typing import Any
@@ -13,30 +15,45 @@ from typing import Any
 import pytest
 
 from app.api import waiting
+from app.jobs import runner as runner_mod
+from tests import test_jobs
+from tests.test_jobs import Rig
+
+rig_factory = test_jobs.rig_factory  # the job-runner rig fixture, shared
 
 
 @dataclass
-class Row:
+class Job:
     status: str = "running"
+    result: dict[str, Any] | None = None
+    error: dict[str, Any] | None = None
+
+    @property
+    def ended(self) -> bool:
+        return self.status in ("done", "failed", "cancelled")
 
 
 @dataclass
-class Store:
-    row: Row = field(default_factory=Row)
-    reads: int = 0
+class Door:
+    """Just what the waits use of the door: the job is not running here, so ``wait`` only
+    times out."""
 
-    async def get(self, job_id: str) -> Row:
-        self.reads += 1
-        return self.row
-
-
-class Runner:
-    """This replica's runner: the job is not running here, so ``wait`` only times out."""
-
-    stopped = False
+    job: Job = field(default_factory=Job)
+    stopped: bool = False
+    cancelled: int = 0
+    settings: Any = field(default_factory=lambda: SimpleNamespace(
+        limits=SimpleNamespace(sync_timeout_s=0.1)))
 
     async def wait(self, job_id: str, timeout: float) -> None:
         await asyncio.sleep(timeout)
+
+    async def get(self, job_id: str, owner: str | None) -> Job:
+        return self.job
+
+    async def cancel(self, job_id: str, owner: str | None) -> Job:
+        self.cancelled += 1
+        self.job.status = "cancelled"
+        return self.job
 
 
 class Request:
@@ -48,34 +65,48 @@ class Request:
         return {"type": "http.disconnect"}
 
 
-@dataclass
-class State:
-    store: Store = field(default_factory=Store)
-    runner: Runner = field(default_factory=Runner)
-    settings: Any = field(default_factory=lambda: SimpleNamespace(
-        limits=SimpleNamespace(sync_timeout_s=0.1)))
-
-
 async def test_a_job_ended_on_another_replica_is_seen_through_the_store(
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(waiting, "RECHECK_S", 0.05)
-    st = State()
-    asyncio.get_running_loop().call_later(0.2, setattr, st.store.row, "status", "done")
+        rig_factory: Callable[..., Awaitable[Rig]], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(runner_mod, "RECHECK_S", 0.05)
+    rig = await rig_factory(start=False)
+    await rig.store.insert(id="j", owner=None, status="running", created_at=time.time(),
+                           upload_path="j", options={}, audio_seconds=5.0, windows_done=0,
+                           attempts=1, lease_owner="another-replica")
+    reads = 0
+    get = rig.store.get
+
+    async def counted(job_id: str) -> Any:
+        nonlocal reads
+        reads += 1
+        return await get(job_id)
+
+    rig.store.get = counted  # type: ignore[method-assign]
+    finish = rig.store.finish("j", None, "done", 3600, result={"text": ""})
+    asyncio.get_running_loop().call_later(0.2, asyncio.ensure_future, finish)
     start = time.monotonic()
-    row, left = await waiting.ended_or_gone(Request(), st, "j", 30.0)  # type: ignore[arg-type]
-    assert row is not None and row.status == "done" and not left
+    await rig.runner.wait_ended("j", 30.0)
+    assert await rig.status("j") == "done"
     assert time.monotonic() - start < 10.0  # long before the 30 s wait was over
-    assert st.store.reads >= 3  # re-read while it ran elsewhere
+    assert reads >= 3  # re-read while it ran elsewhere
 
 
 async def test_a_client_that_hangs_up_ends_the_wait() -> None:
-    st, request = State(), Request()
+    door, request = Door(), Request()
     asyncio.get_running_loop().call_later(0.05, request.hang_up.set)
-    row, left = await waiting.ended_or_gone(request, st, "j", 30.0)  # type: ignore[arg-type]
+    row, left = await waiting.ended_or_gone(request, door, "j", None, 30.0)  # type: ignore[arg-type]
     assert left and row is not None and row.status == "running"
+
+
+async def test_a_client_that_hangs_up_cancels_the_job() -> None:
+    door, request = Door(), Request()
+    door.settings.limits.sync_timeout_s = 30.0
+    asyncio.get_running_loop().call_later(0.05, request.hang_up.set)
+    with pytest.raises(waiting.Conflict, match="disconnected"):
+        await waiting.wait_for_job(request, door, "j", None)  # type: ignore[arg-type]
+    assert door.cancelled == 1 and door.job.status == "cancelled"
 
 
 async def test_a_job_still_running_when_the_wait_ends_is_a_504_that_says_where_it_went() -> None:
     with pytest.raises(waiting.StillRunning) as e:
-        await waiting.wait_for_job(Request(), State(), "j")  # type: ignore[arg-type]
+        await waiting.wait_for_job(Request(), Door(), "j", None)  # type: ignore[arg-type]
     assert e.value.status_code == 504 and "GET /jobs/j" in str(e.value)

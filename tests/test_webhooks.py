@@ -24,7 +24,7 @@ from app.config import OutboundSettings, Settings, WebhookSettings
 from app.errors import BadRequest
 from app.jobs.store import JobStore
 from app.jobs.webhooks import WebhookDispatcher, check_callback_url, sign, verify
-from app.outbound import OutboundGuard
+from app.net.outbound import OutboundGuard
 from tests.conftest import READ_SPEECH, Clip, Server
 from tests.test_outbound import PUBLIC, stub
 
@@ -191,6 +191,24 @@ async def test_dispatcher_retries_then_delivers_once(tmp_path: Path, receiver: R
         assert not receiver.for_job("j-cancelled") and (await store.get("j-nourl")).webhook_status is None
     finally:
         await hooks.stop()
+        await hooks.guard.aclose()
+        await store.close()
+
+
+async def test_a_stop_that_lands_as_the_dispatcher_wakes_still_stops_it(tmp_path: Path) -> None:
+    """A wake and a stop in the same loop turn: the dispatcher's wait used asyncio.wait_for,
+    which on Python 3.11 returns normally when the cancel lands as its event is set, so the
+    cancel was lost and stop() waited on a loop that went on (a 900 s hang of
+    tests/test_webhooks_guard.py, 2 runs in 12)."""
+    store = JobStore(f"sqlite:///{tmp_path / 'jobs.db'}")
+    await store.init()
+    hooks = WebhookDispatcher(WebhookSettings(secret=SecretStr(SECRET)), store, local_guard())
+    hooks.start()
+    try:
+        await asyncio.sleep(0.2)  # its first pass is done: it waits for a wake
+        hooks.wake()
+        await asyncio.wait_for(hooks.stop(), 10)  # cancels at once, in the same turn
+    finally:
         await hooks.guard.aclose()
         await store.close()
 

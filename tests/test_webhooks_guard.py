@@ -18,7 +18,7 @@ from pydantic import SecretStr
 from app.config import OutboundSettings, WebhookSettings
 from app.jobs.store import JobStore
 from app.jobs.webhooks import WebhookDispatcher, check_callback_url
-from app.outbound import OutboundGuard
+from app.net.outbound import OutboundGuard
 from loadtest.common import proc_status_kb
 from tests.conftest import READ_SPEECH, Clip, Server
 from tests.test_outbound import PUBLIC, stub

@@ -1,8 +1,8 @@
-"""Word error rate for the tests: the project's one scorer (app.scoring), as a fraction."""
+"""Word error rate for the tests: the project's one scorer (app.client.scoring), as a fraction."""
 
 from __future__ import annotations
 
-from app.scoring import normalise, wer_percent
+from app.client.scoring import normalise, wer_percent
 
 __all__ = ["normalise", "wer"]
 

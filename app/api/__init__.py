@@ -1,1 +1,2 @@
-"""Thin HTTP routers: parse, authorize, hand over to the runner, render."""
+"""Thin HTTP routers: parse, authorize, hand over to the core through its door
+(app/jobs/door.py), render. Every ASGI middleware is in ``middleware``."""

@@ -23,7 +23,6 @@ Unknown query parameters (Bazarr's ``video_file``) are ignored, as they are ther
 
 from __future__ import annotations
 
-import json
 import wave
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -32,13 +31,15 @@ from urllib.parse import quote
 from fastapi import APIRouter, Depends, File, Query, Request, UploadFile
 from fastapi.responses import JSONResponse, Response
 
-from app.api.deps import Caller, caller, cue_query, ready_state
+from app.api.deps import Caller, caller, cue_query, ready_door
+from app.api.schemas import ErrorBody
 from app.api.transcribe import accept_upload, decode_options, spool_upload
 from app.api.waiting import wait_for_job
+from app.engine.languages import LANGUAGES
 from app.errors import InvalidAudio, PayloadTooLarge
-from app.formats import CueOptions, render, segment_words
-from app.schemas import ErrorBody
-from app.state import AppState
+from app.jobs.door import Door
+from app.results.asr import asr_body
+from app.results.formats import CueOptions
 from app.windows import SAMPLE_RATE, JobOptions
 
 router = APIRouter(tags=["whisper-asr-webservice"])
@@ -100,33 +101,6 @@ def _spooler(encode: bool, head_s: float | None = None) -> Any:
     return lambda src, dest, max_bytes: spool_pcm(src, dest, max_bytes, head_s)
 
 
-def asr_json(result: dict[str, Any], words: bool) -> dict[str, Any]:
-    """faster-whisper's result as whisper-asr-webservice writes it: ``language``, ``segments``
-    (``dataclasses.asdict`` of faster-whisper's Segment, texts with Whisper's leading space) and
-    ``text``, their concatenation."""
-    segments = []
-    for k, (s, ws) in enumerate(segment_words(result)):
-        segments.append({
-            "id": k + 1, "seek": s.get("seek", 0), "start": s["start"], "end": s["end"],
-            "text": " " + str(s["text"]).strip(), "tokens": s.get("tokens", []),
-            "avg_logprob": s.get("avg_logprob"), "compression_ratio": s.get("compression_ratio"),
-            "no_speech_prob": s.get("no_speech_prob"),
-            "words": [{"start": w["start"], "end": w["end"], "word": " " + str(w["word"]).strip(),
-                       "probability": w.get("probability")} for w in ws or []] if words else None,
-            "temperature": s.get("temperature"),
-        })
-    return {"language": result.get("language"), "segments": segments,
-            "text": "".join(s["text"] for s in segments)}
-
-
-def asr_body(result: dict[str, Any], output: str, words: bool, cue: CueOptions) -> str:
-    if output == "json":
-        return json.dumps(asr_json(result, words), ensure_ascii=False)
-    if output == "txt":  # one line per segment
-        return "".join(f"{s['text'].strip()}\n" for s, _ in segment_words(result))
-    return render(result, output, cue)
-
-
 @router.post("/asr", response_class=Response, responses=TEXT_ANSWER)
 async def asr(
     request: Request,
@@ -139,14 +113,14 @@ async def asr(
     word_timestamps: Annotated[bool, Query(description="Word times in the json output.")] = False,
     output: Annotated[Output, Query()] = "txt",
     cue: CueOptions = Depends(cue_query),
-    st: AppState = Depends(ready_state),
+    d: Door = Depends(ready_door),
     who: Caller = Depends(caller),
 ) -> Response:
     # Subtitles are cut from word times (sentence-sized cues), as on /v1.
     aligned = word_timestamps or output in ("srt", "vtt", "tsv")
-    options = decode_options(st, language, task, None, initial_prompt, 0.0, aligned)
-    job_id = await accept_upload(st, audio_file, options, who, spool=_spooler(encode))
-    row = await wait_for_job(request, st, job_id)
+    options = decode_options(d.settings, language, task, None, initial_prompt, 0.0, aligned)
+    job_id = await accept_upload(d, audio_file, options, who, spool=_spooler(encode))
+    row = await wait_for_job(request, d, job_id, who.owner)
     assert row.result is not None
     name = quote(audio_file.filename or "audio")
     return Response(asr_body(row.result, output, word_timestamps, cue), media_type="text/plain",
@@ -157,14 +131,12 @@ async def asr(
 @router.post("/detect-language", responses=ERRORS)
 async def detect_language(
     request: Request, audio_file: AudioFile, encode: EncodeQuery = True,
-    st: AppState = Depends(ready_state), who: Caller = Depends(caller),
+    d: Door = Depends(ready_door), who: Caller = Depends(caller),
 ) -> JSONResponse:
     """The language of the first speech window (raw PCM: of its first five minutes)."""
-    from whisperx.utils import LANGUAGES  # a plain dict module: no torch import
-
-    job_id = await accept_upload(st, audio_file, JobOptions(detect_only=True), who,
+    job_id = await accept_upload(d, audio_file, JobOptions(detect_only=True), who,
                                  spool=_spooler(encode, DETECT_HEAD_S))
-    row = await wait_for_job(request, st, job_id)
+    row = await wait_for_job(request, d, job_id, who.owner)
     assert row.result is not None
     code = row.result.get("language") or "und"
     prob = row.result.get("language_probability")

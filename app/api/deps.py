@@ -1,4 +1,4 @@
-"""Shared request helpers: the app state and job lookups."""
+"""Shared request helpers: the door, the caller, job lookups and the job answer."""
 
 from __future__ import annotations
 
@@ -8,23 +8,22 @@ from typing import Annotated
 from fastapi import Form, Query, Request
 from fastapi.responses import JSONResponse
 
-from app.errors import NotFound, NotReady, public_error
-from app.formats import LINE_CHARS, CueOptions
-from app.jobs.store import TERMINAL, JobRow
-from app.schemas import Job, Progress, Transcription, WebhookState
-from app.state import AppState
+from app.api.schemas import to_job
+from app.errors import NotFound, NotReady
+from app.jobs.door import Door, JobView
+from app.results.formats import LINE_CHARS, CueOptions
 
 
-def state(request: Request) -> AppState:
-    st: AppState = request.app.state.bs
-    return st
+def door(request: Request) -> Door:
+    d: Door = request.app.state.door
+    return d
 
 
-def ready_state(request: Request) -> AppState:
-    st = state(request)
-    if not st.ready:
+def ready_door(request: Request) -> Door:
+    d = door(request)
+    if not d.ready:
         raise NotReady("the model is not loaded yet, or the service is shutting down")
-    return st
+    return d
 
 
 @dataclass
@@ -36,42 +35,11 @@ def caller(request: Request) -> Caller:
     return Caller(getattr(request.state, "owner", None))
 
 
-async def load_job(st: AppState, job_id: str, who: Caller) -> JobRow:
-    job = await st.store.get(job_id)
-    # Another tenant's job is "not found", not "forbidden": ids must not leak.
-    if job is None or job.owner != who.owner:
+async def load_job(d: Door, job_id: str, who: Caller) -> JobView:
+    job = await d.get(job_id, who.owner)
+    if job is None:  # or another tenant's: "not found", not "forbidden", ids must not leak
         raise NotFound(f"no job {job_id!r}", job_id=job_id)
     return job
-
-
-def to_job(row: JobRow, st: AppState, base: str = "") -> Job:
-    live = st.runner.progress(row.id) if st.runner else None
-    done, total = live if live else (row.windows_done, row.windows_total)
-    rtf = None
-    if row.status == "done" and row.processing_s:
-        rtf = round(row.audio_seconds / row.processing_s, 3)
-    return Job(
-        id=row.id, status=row.status,  # type: ignore[arg-type]
-        status_url=f"{base}/jobs/{row.id}", result_url=f"{base}/jobs/{row.id}/result",
-        filename=row.filename, options=row.options, created_at=row.created_at,
-        started_at=row.started_at, finished_at=row.finished_at,
-        progress=Progress(windows_done=done, windows_total=total),
-        audio_seconds=row.audio_seconds, queue_wait_s=row.queue_wait_s,
-        processing_s=row.processing_s, diarization_s=row.diarization_s, rtf=rtf,
-        result=Transcription.model_validate(row.result) if row.result else None,
-        error=public_error(row.error), webhook=webhook_state(row),
-    )
-
-
-def webhook_state(row: JobRow) -> WebhookState | None:
-    if not row.callback_url:
-        return None
-    return WebhookState(
-        url=row.callback_url, status=row.webhook_status or "waiting",  # type: ignore[arg-type]
-        attempts=row.webhook_attempts or 0,
-        next_attempt_at=row.webhook_next_at if row.webhook_status == "pending" else None,
-        last_error=row.webhook_last_error, delivered_at=row.webhook_delivered_at,
-    )
 
 
 # Subtitle cue options (srt, vtt, tsv), the same on every route that renders subtitles.
@@ -96,19 +64,20 @@ def cue_form(
     return CueOptions(max_line_width, max_line_count, max_cue_s)
 
 
-async def job_answer(st: AppState, job_id: str, wait: bool, replayed: bool = False) -> JSONResponse:
+async def job_answer(d: Door, job_id: str, owner: str | None, wait: bool,
+                     replayed: bool = False) -> JSONResponse:
     """POST /transcribe's answer for a committed job: 202 with the job, or with ``wait`` the job
     once it ends (200), or as it stands when the wait times out (202). ``replayed``: the job was
     made by an earlier request with the same Idempotency-Key (app/api/idempotency.py)."""
     if wait:
         # On timeout the job keeps running; the client gets 202 and polls status_url.
-        await st.runner.wait(job_id, st.settings.limits.sync_timeout_s)
-    row = await st.store.get(job_id)
-    if row is None:  # expired between its commit (or lookup) and now
+        await d.wait(job_id, d.settings.limits.sync_timeout_s)
+    view = await d.get(job_id, owner)
+    if view is None:  # expired between its commit (or lookup) and now
         raise NotFound(f"no job {job_id!r}", job_id=job_id)
-    job = to_job(row, st)
+    job = to_job(view)
     headers = {"Location": job.status_url}
     if replayed:
         headers["Idempotent-Replayed"] = "true"
-    code = 200 if wait and row.status in TERMINAL else 202
+    code = 200 if wait and view.ended else 202
     return JSONResponse(job.model_dump(mode="json"), status_code=code, headers=headers)

@@ -1,10 +1,10 @@
 """GET /jobs/{id}/events: a job's progress as Server-Sent Events, until it ends.
 
-Event-driven and shared: every stream on a job reads one :class:`app.api.feeds.JobFeed`, which
-reads the store when the job runner says the job changed (claimed, decoded, a window done,
-ended), or every ``KEEPALIVE_S`` for a job running on another replica. Streams are capped per
-API key (``limits.max_event_streams_per_key``, 429). The keep-alive lets a vanished client be
-noticed on the next write.
+Event-driven and shared: every stream on a job reads one :class:`app.jobs.events.EventFeed`
+(through the door), which reads the store when the job runner says the job changed (claimed,
+decoded, a window done, ended), or every ``KEEPALIVE_S`` for a job running on another replica.
+Streams are capped per API key (``limits.max_event_streams_per_key``, 429). The keep-alive lets
+a vanished client be noticed on the next write.
 
 Events: ``progress`` (status, windows_done, windows_total) while queued or running, then one
 final event named after the final status (``done``, ``failed``, ``cancelled``) carrying the job
@@ -20,11 +20,11 @@ from typing import Any
 
 from fastapi import APIRouter, Depends
 from fastapi.responses import StreamingResponse
+from starlette.types import Receive, Scope, Send
 
-from app.api.deps import Caller, caller, load_job, state
-from app.api.feeds import KEEPALIVE_S, FeedResponse, Subscription
-from app.schemas import ErrorBody
-from app.state import AppState
+from app.api.deps import Caller, caller, door, load_job
+from app.api.schemas import ErrorBody, to_job
+from app.jobs.door import KEEPALIVE_S, Door, Subscription
 
 router = APIRouter(tags=["jobs"])
 RETRY_MS = 2000  # what EventSource waits before reconnecting after a dropped stream
@@ -42,10 +42,10 @@ def sse(event: str, data: dict[str, Any], event_id: int | None = None) -> bytes:
                200: {"content": {"text/event-stream": {}},
                      "description": "progress events, then one done/failed/cancelled event"}},
 )
-async def job_events(job_id: str, st: AppState = Depends(state),
+async def job_events(job_id: str, d: Door = Depends(door),
                      who: Caller = Depends(caller)) -> StreamingResponse:
-    await load_job(st, job_id, who)  # the owner check: another tenant's job is a plain 404
-    sub = st.feeds.open(st, job_id, who.owner)  # 429 past the key's stream cap
+    await load_job(d, job_id, who)  # the owner check: another tenant's job is a plain 404
+    sub = d.events(job_id, who.owner)  # 429 past the key's stream cap
     return FeedResponse(
         _stream(sub), sub, media_type="text/event-stream",
         # no-transform / X-Accel-Buffering: proxies must not buffer or compress the stream.
@@ -67,7 +67,8 @@ async def _stream(sub: Subscription) -> AsyncIterator[bytes]:
             yield sse("progress", feed.progress, seq)
         if feed.final is not None:
             seq += 1
-            yield sse(feed.final[0], feed.final[1], seq)
+            final = to_job(feed.final).model_dump(mode="json", exclude={"result"})
+            yield sse(feed.final.status, final, seq)
             return
         if feed.gone:
             yield sse("error", {"id": feed.job_id, "message": "the job no longer exists"})
@@ -75,6 +76,22 @@ async def _stream(sub: Subscription) -> AsyncIterator[bytes]:
         if feed.closed:  # draining: end the stream so shutdown is not held open;
             return  # the client reconnects (retry) to a replica that has the job
         try:
-            await asyncio.wait_for(sub.wake.wait(), KEEPALIVE_S)
+            async with asyncio.timeout(KEEPALIVE_S):  # not wait_for: see app/jobs/webhooks.py
+                await sub.wake.wait()
         except TimeoutError:
             yield b": keep-alive\n\n"
+
+
+class FeedResponse(StreamingResponse):
+    """A stream whose subscription is released however it ends (the client may leave before
+    the body iterator ever starts, and then a generator's ``finally`` never runs)."""
+
+    def __init__(self, content: AsyncIterator[bytes], sub: Subscription, **kw: Any) -> None:
+        super().__init__(content, **kw)
+        self.sub = sub
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.sub.release()

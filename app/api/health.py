@@ -1,26 +1,35 @@
-"""Liveness, readiness and Prometheus metrics: all answer while a batch is running.
+"""The service's own state: liveness, readiness, Prometheus metrics and GET /status. All answer
+while a batch is running: batches run on the engine's own threads, so these handlers never wait
+for inference.
 
-Batches run on the engine's own threads, so these handlers never wait for inference. ``/metrics``
-refreshes the point-in-time gauges as it is scraped: pending windows and device memory from
-memory/NVML, the backlog and jobs by status from the job store (bounded by a timeout, keeping the
-last values when the store is slow, so a scrape never hangs on the database).
+``/metrics`` refreshes the point-in-time gauges as it is scraped: pending windows and device
+memory from memory/NVML, the backlog and jobs by status from the job store (bounded by a
+timeout, keeping the last values when the store is slow, so a scrape never hangs on the
+database).
+
+``/status``: the same numbers in one small JSON object, for the page at / (and people), without
+a Prometheus server to take rates: backlog, windows waiting, jobs by status, and over the last
+minute the throughput (audio seconds per second), the live real-time factor per engine worker
+and the mean batch size. Rates come from counter readings the core keeps (app/jobs/speed.py:
+one a second at most, for a minute); until one is a few seconds old the figures are since
+start-up. No tenant's data is in it: /metrics shows the same.
 """
 
 from __future__ import annotations
 
-import asyncio
 import logging
+from dataclasses import asdict
 
 from fastapi import APIRouter, Depends, Request
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import BaseModel, Field
 
-from app.api.deps import state
-from app.state import AppState
+from app.api.deps import door
+from app.jobs.door import Door
 
 router = APIRouter(tags=["health"])
 log = logging.getLogger(__name__)
-STORE_TIMEOUT_S = 2.0  # well under Prometheus' default 10 s scrape timeout
 
 
 @router.get("/healthz", responses={503: {"description": "An engine call has stalled, or the "
@@ -31,38 +40,49 @@ async def healthz(request: Request) -> JSONResponse:
     and cannot be cancelled from Python, and a GPU in a sticky CUDA error state (an illegal
     memory access) fails every call until the process restarts, so the way out of both is a
     restart (liveness probe), after which their jobs are requeued."""
-    st: AppState | None = getattr(request.app.state, "bs", None)  # None while the model loads
-    if st is None:
+    d: Door | None = getattr(request.app.state, "door", None)  # None while the model loads
+    if d is None:
         return JSONResponse({"status": "ok"})
-    if (running := st.batcher.oldest_call_s()) > st.settings.batcher.stall_after_s:
-        log.error("engine call running for %.0f s: reporting unhealthy", running)
-        return JSONResponse({"status": "engine_stalled", "engine_call_running_s": round(running)},
-                            status_code=503)
-    if (reason := st.engine.unhealthy()) is not None:
-        log.error("engines failing: %s: reporting unhealthy", reason)
-        return JSONResponse({"status": "engine_failing", "reason": reason,
-                             "engines": st.engine.status()}, status_code=503)
-    return JSONResponse({"status": "ok"})
+    health = d.health()
+    if health.status == "engine_stalled":
+        log.error("engine call running for %.0f s: reporting unhealthy",
+                  health.detail["engine_call_running_s"])
+    elif health.status == "engine_failing":
+        log.error("engines failing: %s: reporting unhealthy", health.detail["reason"])
+    return JSONResponse({"status": health.status, **health.detail},
+                        status_code=200 if health.status == "ok" else 503)
 
 
 @router.get("/readyz", responses={503: {"description": "Draining, or the engines are failing."}})
-async def readyz(st: AppState = Depends(state)) -> JSONResponse:
+async def readyz(d: Door = Depends(door)) -> JSONResponse:
     """Ready to take work: the model is loaded and warmed up on its device (the lifespan runs the
     warm-up before the server listens), the service is not draining, and its engines are not
     all failing. The body gives the batch sizing the warm-up measured."""
-    info = st.engine.engine.info
-    ready = st.ready and st.engine.unhealthy() is None
-    body = {"status": "ready" if ready else "not_ready", "model": info.model,
-            "device": info.device, "compute_type": info.compute_type,
-            "engines": st.engine.status(), "sizing": st.extras.get("sizing")}
-    return JSONResponse(body, status_code=200 if ready else 503)
+    r = d.readiness()
+    body = {"status": "ready" if r.ready else "not_ready", **asdict(r)}
+    del body["ready"]
+    return JSONResponse(body, status_code=200 if r.ready else 503)
 
 
 @router.get("/metrics", response_class=PlainTextResponse)  # documents text/plain, not JSON
-async def metrics(st: AppState = Depends(state)) -> Response:
-    try:
-        await asyncio.wait_for(st.runner.refresh_gauges(), STORE_TIMEOUT_S)
-    except Exception as exc:  # slow or closed store: serve the maintenance loop's last values
-        log.warning("metrics: store gauges not refreshed (%s)", type(exc).__name__)
-    st.refresh_gauges()
-    return Response(generate_latest(st.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+async def metrics(d: Door = Depends(door)) -> Response:
+    return Response(await d.metrics_text(), media_type=CONTENT_TYPE_LATEST)
+
+
+class Status(BaseModel):
+    ready: bool
+    model: str
+    device: str
+    workers: int = Field(description="Engine workers (batches run at once).")
+    backlog_s: float = Field(description="Accepted audio not yet transcribed, seconds.")
+    pending_windows: int = Field(description="Windows waiting for the engine.")
+    jobs: dict[str, int] = Field(description="Jobs in the store by status.")
+    span_s: float = Field(description="What the rates below are measured over (seconds).")
+    throughput: float | None = Field(description="Audio seconds transcribed per wall second.")
+    rtf: float | None = Field(description="Live real-time factor per worker: audio s / engine s.")
+    batch_size: float | None = Field(description="Mean windows per batch.")
+
+
+@router.get("/status", response_model=Status)
+async def status(d: Door = Depends(door)) -> Status:
+    return Status(**asdict(await d.status()))

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Coroutine, Mapping
-from pathlib import PurePath
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Depends, File, Form, Request, UploadFile
@@ -45,16 +44,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.routing import Match
 
 from app.api import idempotency, openai_stream
-from app.api.deps import Caller, caller, cue_form, ready_state, state
-from app.api.openai_shapes import (
-    ModelCard,
-    ModelList,
-    OpenAIDiarized,
-    OpenAIError,
-    OpenAITranscription,
-    diarized_json,
-    verbose_json,
-)
+from app.api.deps import Caller, caller, cue_form, door, ready_door
 from app.api.transcribe import HOTWORDS_HELP, accept_upload, decode_options, speaker_options
 from app.api.waiting import ended_or_gone
 from app.errors import (
@@ -66,9 +56,17 @@ from app.errors import (
     public_error,
     status_of,
 )
-from app.formats import MEDIA_TYPES, CueOptions, render
-from app.jobs.store import TERMINAL, JobRow
-from app.state import AppState
+from app.jobs.door import Door, JobView
+from app.results.formats import MEDIA_TYPES, CueOptions, render
+from app.results.openai import (
+    ModelCard,
+    ModelList,
+    OpenAIDiarized,
+    OpenAIError,
+    OpenAITranscription,
+    diarized_json,
+    verbose_json,
+)
 
 ResponseFormat = Literal["json", "text", "srt", "verbose_json", "vtt", "diarized_json"]
 Granularity = Literal["word", "segment"]
@@ -120,14 +118,10 @@ class OpenAIRoute(APIRoute):
 router = APIRouter(prefix="/v1", tags=["openai"], route_class=OpenAIRoute)
 
 
-def model_id(st: AppState) -> str:
-    return PurePath(st.engine.engine.info.model).name  # a model folder path: its name
-
-
-def check_model(st: AppState, model: str) -> None:
-    if model not in (model_id(st), *ALIASES):
+def check_model(d: Door, model: str) -> None:
+    if model not in (d.model_name(), *ALIASES):
         raise _ModelNotFound(f"The model `{model}` does not exist; this service runs "
-                             f"`{model_id(st)}` (also reachable as {', '.join(ALIASES)}).",
+                             f"`{d.model_name()}` (also reachable as {', '.join(ALIASES)}).",
                              field="model")
 
 
@@ -136,19 +130,19 @@ class _ModelNotFound(ServiceError):
     error_type = "model_not_found"
 
 
-def _card(st: AppState) -> ModelCard:
-    return ModelCard(id=model_id(st), created=STARTED, owned_by="batchscribe")
+def _card(d: Door) -> ModelCard:
+    return ModelCard(id=d.model_name(), created=STARTED, owned_by="batchscribe")
 
 
 @router.get("/models", response_model=ModelList)
-async def list_models(st: AppState = Depends(state)) -> ModelList:
-    return ModelList(data=[_card(st)])
+async def list_models(d: Door = Depends(door)) -> ModelList:
+    return ModelList(data=[_card(d)])
 
 
 @router.get("/models/{model}", response_model=ModelCard, responses=_errors(404, 422))
-async def get_model(model: str, st: AppState = Depends(state)) -> ModelCard:
-    check_model(st, model)
-    return _card(st)
+async def get_model(model: str, d: Door = Depends(door)) -> ModelCard:
+    check_model(d, model)
+    return _card(d)
 
 
 FileField = Annotated[UploadFile, File(description="Audio: wav, flac, mp3, ogg, m4a, webm.")]
@@ -178,14 +172,14 @@ async def transcriptions(
     known_refs: Annotated[list[str] | None, Form(alias="known_speaker_references[]")] = None,
     cue: CueOptions = Depends(cue_form),
     idempotency_key: idempotency.KeyHeader = None,
-    st: AppState = Depends(ready_state), who: Caller = Depends(caller),
+    d: Door = Depends(ready_door), who: Caller = Depends(caller),
 ) -> Response:
     gran: set[str] = set(granularities or []) | set(granularities_plain or [])
     if known_names or known_refs:
         raise BadRequest("known_speaker_names[] and known_speaker_references[] are not "
                          "supported: speakers are named A, B, ... by first appearance",
                          field="known_speaker_names[]", headers=NO_RETRY)
-    return await _run(request, st, who, file, model, "transcribe", language, prompt,
+    return await _run(request, d, who, file, model, "transcribe", language, prompt,
                       response_format, temperature, gran, cue, stream, hotwords, idempotency_key)
 
 
@@ -195,55 +189,57 @@ async def translations(
     response_format: FormatField = "json", temperature: TemperatureField = 0.0,
     cue: CueOptions = Depends(cue_form),
     idempotency_key: idempotency.KeyHeader = None,
-    st: AppState = Depends(ready_state), who: Caller = Depends(caller),
+    d: Door = Depends(ready_door), who: Caller = Depends(caller),
 ) -> Response:
     """Speech in any language to English text (Whisper's translate task)."""
     if response_format == "diarized_json":
         raise BadRequest("diarized_json is a transcription format", field="response_format",
                          headers=NO_RETRY)
-    return await _run(request, st, who, file, model, "translate", None, prompt, response_format,
+    return await _run(request, d, who, file, model, "translate", None, prompt, response_format,
                       temperature, set(), cue, raw_key=idempotency_key)
 
 
-async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, model: str,
+async def _run(request: Request, d: Door, who: Caller, file: UploadFile, model: str,
                task: str, language: str | None, prompt: str | None, fmt: str,
                temperature: float, gran: set[str], cue: CueOptions | None = None,
                stream: bool = False, hotwords: str | None = None,
                raw_key: str | None = None) -> Response:
     key = idempotency.parse_key(raw_key)
-    check_model(st, model)
+    check_model(d, model)
     if "word" in gran and fmt != "verbose_json":
         raise BadRequest("timestamp_granularities word needs response_format=verbose_json",
                          field="timestamp_granularities[]")
     if stream and fmt not in ("json", "text"):  # issue 21: deltas are text
         raise BadRequest("stream=true needs response_format json or text", field="stream")
     aligned = fmt in ("verbose_json", "srt", "vtt")
-    options = decode_options(st, language, task, None, prompt, temperature, aligned, hotwords)
+    options = decode_options(d.settings, language, task, None, prompt, temperature, aligned,
+                             hotwords)
     if fmt == "diarized_json":
-        options = speaker_options(st, options, True, None, None, None)
-    wait_s = min(st.settings.limits.sync_timeout_s, st.settings.limits.openai_wait_s)
-    first = await idempotency.find(st, who.owner, key) if key else None
+        options = speaker_options(d, options, True, None, None, None)
+    wait_s = min(d.settings.limits.sync_timeout_s, d.settings.limits.openai_wait_s)
+    first = await d.replay(who.owner, key) if key else None
     job_id = first.id if first else await accept_upload(
-        st, file, options, who, check=None if stream else lambda s: _fits(st, s, wait_s),
+        d, file, options, who, check=None if stream else lambda s: _fits(d, s, wait_s),
         idempotency_key=key)
     if stream:  # issue 21: no deadline, the client sees text as windows finish
-        return openai_stream.stream_response(st, job_id, {"X-Batchscribe-Job-Id": job_id})
+        return openai_stream.stream_response(d, job_id, who.owner,
+                                             {"X-Batchscribe-Job-Id": job_id})
     # With a key the job outlives this request: the client's retry (same key) collects it.
-    row = await _wait(request, st, job_id, wait_s, cancel_if_gone=key is None)
+    row = await _wait(request, d, job_id, who.owner, wait_s, cancel_if_gone=key is None)
     headers = {"X-Batchscribe-Job-Id": job_id}
     if first is not None:
         headers[idempotency.REPLAYED] = "true"
-    if row is not None and row.status not in TERMINAL and st.runner.stopped:
+    if row is not None and not row.ended and d.stopped:
         # Draining: the client will retry elsewhere, so a keyless copy must not run after the
         # restart; a keyed one stays queued for the retry to find.
         if key is None:
-            await st.runner.cancel(row)
+            await d.cancel(job_id, who.owner)
         return openai_error(503, "the service is restarting; retry the request",
                             code="shutting_down", headers={**headers, "Retry-After": "1"})
-    if row is not None and row.status not in TERMINAL:
+    if row is not None and not row.ended:
         # Nobody can collect a synchronous answer later, and the SDK would upload the file
         # again after its own time-out: the job is cancelled, the answer says where to go.
-        await st.runner.cancel(row)
+        await d.cancel(job_id, who.owner)
         return openai_error(
             504, f"the transcription did not finish within {wait_s:.0f} s, this service's "
             "limit for a synchronous /v1 request (under the OpenAI SDK's 600 s time-out); it "
@@ -264,10 +260,10 @@ async def _run(request: Request, st: AppState, who: Caller, file: UploadFile, mo
 SPEED_MARGIN = 0.8  # of the measured speed: the estimate must not promise what it cannot keep
 
 
-def _fits(st: AppState, audio_s: float, wait_s: float) -> None:
+def _fits(d: Door, audio_s: float, wait_s: float) -> None:
     """413 (no retry can fix it) for audio the service cannot transcribe within ``wait_s`` at
     its current speed: refused before it runs, not after the client waited for nothing."""
-    most = wait_s * st.speed() * SPEED_MARGIN
+    most = wait_s * d.speed() * SPEED_MARGIN
     if audio_s > most:
         raise PayloadTooLarge(
             f"{audio_s:.0f} s of audio is more than this service transcribes within {wait_s:.0f} s "
@@ -276,17 +272,17 @@ def _fits(st: AppState, audio_s: float, wait_s: float) -> None:
             limit_s=round(most, 1), duration_s=round(audio_s, 3), field="file")
 
 
-async def _wait(request: Request, st: AppState, job_id: str, wait_s: float,
-                cancel_if_gone: bool = True) -> JobRow | None:
+async def _wait(request: Request, d: Door, job_id: str, owner: str | None, wait_s: float,
+                cancel_if_gone: bool = True) -> JobView | None:
     """Wait for the job (at most ``wait_s``); stop waiting as soon as the client disconnects,
     and then cancel the job unless ``cancel_if_gone`` is off."""
-    row, left = await ended_or_gone(request, st, job_id, wait_s)
-    if cancel_if_gone and left and row is not None and row.status not in TERMINAL:
-        await st.runner.cancel(row)
+    row, left = await ended_or_gone(request, d, job_id, owner, wait_s)
+    if cancel_if_gone and left and row is not None and not row.ended:
+        await d.cancel(job_id, owner)
     return row
 
 
-def _unfinished(job_id: str, row: JobRow | None, headers: dict[str, str]) -> Response:
+def _unfinished(job_id: str, row: JobView | None, headers: dict[str, str]) -> Response:
     """A job that ended without a transcript. Sending the same audio again gives the same
     answer (audio found undecodable while it was prepared is a 4xx, as at upload), so no
     retry: the SDK would otherwise make a new job per retry."""

@@ -8,7 +8,7 @@ own time-out, so the stream has no time limit of its own and sends a comment lin
 keep-alive whenever nothing else was sent for ``KEEPALIVE_S``.
 
 Deltas follow the upload's order: a window's text is sent once it and every window before it
-have finished (:meth:`app.jobs.runner.JobRunner.finished_prefix`), joined with single spaces as
+have finished (:meth:`app.jobs.door.Door.finished_texts`), joined with single spaces as
 the final transcript joins them, so the deltas add up to the ``done`` event's text. A job run
 by another replica streams too: keep-alives while the store says it runs, then one delta with
 the whole text. A failed or cancelled job ends the stream with OpenAI's error event
@@ -27,8 +27,7 @@ from typing import Any
 from fastapi.responses import StreamingResponse
 
 from app.errors import openai_body
-from app.jobs.store import TERMINAL, JobRow
-from app.state import AppState
+from app.jobs.door import Door, JobView
 
 log = logging.getLogger(__name__)
 # Proxies commonly drop a connection idle for 60 s (nginx's proxy_read_timeout default).
@@ -44,51 +43,53 @@ def delta_event(delta: str) -> bytes:
     return event({"type": "transcript.text.delta", "delta": delta, "logprobs": None})
 
 
-def stream_response(st: AppState, job_id: str, headers: dict[str, str]) -> StreamingResponse:
+def stream_response(d: Door, job_id: str, owner: str | None,
+                    headers: dict[str, str]) -> StreamingResponse:
     return StreamingResponse(
-        transcript_events(st, job_id), media_type="text/event-stream",
+        transcript_events(d, job_id, owner), media_type="text/event-stream",
         # no-transform / X-Accel-Buffering: proxies must not buffer or compress the stream.
         headers={**headers, "Cache-Control": "no-cache, no-transform", "X-Accel-Buffering": "no"},
     )
 
 
-async def transcript_events(st: AppState, job_id: str) -> AsyncIterator[bytes]:
+async def transcript_events(d: Door, job_id: str, owner: str | None) -> AsyncIterator[bytes]:
     sent_windows = 0
     text = ""
     ended = False
     try:
-        with st.runner.watch(job_id) as changed:
+        with d.watch(job_id) as changed:
             while True:
                 changed.clear()  # before reading: a change during the reads wakes the next wait
-                for piece in st.runner.finished_prefix(job_id, sent_windows) or ():
+                for piece in d.finished_texts(job_id, sent_windows) or ():
                     sent_windows += 1
                     piece = piece.strip()
                     if piece:
                         delta = f" {piece}" if text else piece
                         text += delta
                         yield delta_event(delta)
-                row = await st.store.get(job_id)
-                if row is None or row.status in TERMINAL:
+                row = await d.get(job_id, owner)
+                if row is None or row.ended:
                     ended = True
                     for chunk in _end(row, job_id, text):
                         yield chunk
                     return
-                if st.runner.stopped:  # draining: this job will not finish here
+                if d.stopped:  # draining: this job will not finish here
                     yield event(openai_body(503, "the service is restarting; retry the request",
                                             code="shutting_down"))
                     return
                 try:
-                    await asyncio.wait_for(changed.wait(), KEEPALIVE_S)
+                    async with asyncio.timeout(KEEPALIVE_S):  # not wait_for: see app/jobs/webhooks.py
+                        await changed.wait()
                 except TimeoutError:
                     yield b": keep-alive\n\n"
     finally:
         if not ended:  # the client hung up, or the service is draining
-            task = asyncio.get_running_loop().create_task(_cancel(st, job_id))
+            task = asyncio.get_running_loop().create_task(_cancel(d, job_id, owner))
             _cleanups.add(task)
             task.add_done_callback(_cleanups.discard)
 
 
-def _end(row: JobRow | None, job_id: str, sent: str) -> list[bytes]:
+def _end(row: JobView | None, job_id: str, sent: str) -> list[bytes]:
     if row is None:
         return [event(openai_body(404, f"job {job_id} no longer exists", code="not_found"))]
     if row.status == "failed":
@@ -108,10 +109,8 @@ def _end(row: JobRow | None, job_id: str, sent: str) -> list[bytes]:
     return out
 
 
-async def _cancel(st: AppState, job_id: str) -> None:
+async def _cancel(d: Door, job_id: str, owner: str | None) -> None:
     try:
-        row = await st.store.get(job_id)
-        if row is not None and row.status not in TERMINAL:
-            await st.runner.cancel(row)
+        await d.cancel(job_id, owner)  # a job that ended meanwhile stays as it ended
     except Exception:  # the store is closing: the job stays; a restart resumes it
         log.warning("could not cancel job %s after its stream ended", job_id, exc_info=True)

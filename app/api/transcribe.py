@@ -1,31 +1,27 @@
-"""POST /transcribe: spool the upload (or fetch audio_url), validate it, commit the job, answer
-202 (or wait). The body is a multipart form, or the same fields as a JSON object with an
-``audio_url`` (app/api/json_form.py)."""
+"""POST /transcribe: check the request, hand its audio to the door (which spools or fetches it,
+probes it, admits it and commits the job), answer 202 (or wait). The body is a multipart form,
+or the same fields as a JSON object with an ``audio_url`` (app/api/json_form.py)."""
 
 from __future__ import annotations
 
 import os
-import unicodedata
 from collections.abc import Callable
 from dataclasses import replace
+from functools import partial
 from pathlib import Path
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Depends, File, Form, Query, Request, UploadFile
 from fastapi.responses import JSONResponse
-from starlette.concurrency import run_in_threadpool
 
-from app import audio
 from app.api import idempotency
-from app.api.deps import Caller, caller, job_answer, ready_state
+from app.api.deps import Caller, caller, job_answer, ready_door
 from app.api.json_form import JsonFormRoute
-from app.api.limits import admitted
-from app.errors import NO_RETRY, BadRequest, DiarizationOff, InvalidAudio, PayloadTooLarge, ServiceError
-from app.jobs.runner import new_job_id
-from app.jobs.webhooks import check_callback_url
-from app.remote import fetch_audio
-from app.schemas import ErrorBody, Job
-from app.state import AppState
+from app.api.schemas import ErrorBody, Job
+from app.config import Settings
+from app.engine import languages
+from app.errors import NO_RETRY, BadRequest, PayloadTooLarge, ServiceError
+from app.jobs.door import Door, Upload
 from app.windows import JobOptions
 
 router = APIRouter(tags=["transcription"], route_class=JsonFormRoute)
@@ -33,12 +29,6 @@ router = APIRouter(tags=["transcription"], route_class=JsonFormRoute)
 ERRORS: dict[int | str, dict[str, object]] = {
     code: {"model": ErrorBody} for code in (400, 413, 415, 422, 429, 502, 503)
 }
-
-
-def whisper_languages() -> frozenset[str]:
-    from faster_whisper.tokenizer import _LANGUAGE_CODES
-
-    return frozenset(_LANGUAGE_CODES)
 
 
 HOTWORDS_HELP = ("Words or phrases to bias the transcript towards (names, jargon), as in "
@@ -52,7 +42,7 @@ CHANNELS_HELP = ("separate: transcribe each channel of a multichannel upload (a 
                  "upload is its one channel. mix (default): one mono downmix.")
 
 
-def speaker_options(st: AppState, options: JobOptions, diarize: bool, num_speakers: int | None,
+def speaker_options(d: Door, options: JobOptions, diarize: bool, num_speakers: int | None,
                     min_speakers: int | None, max_speakers: int | None,
                     channels: str = "mix") -> JobOptions:
     """The request's speaker options on top of ``options``, checked: 400 for combinations
@@ -73,37 +63,22 @@ def speaker_options(st: AppState, options: JobOptions, diarize: bool, num_speake
         raise BadRequest("channels=separate labels speakers by channel; it cannot be combined "
                          "with diarize=true", field="channels", headers=NO_RETRY)
     if diarize:
-        if st.runner.speakers is None:
-            raise DiarizationOff("speaker diarization is not available on this service",
-                                 field="diarize")
-        st.runner.speakers.check()  # off: 400; models that failed to load: 503
+        d.check_speakers()  # off: 400; models that failed to load: 503
     return replace(options, diarize=diarize, num_speakers=num_speakers,
                    min_speakers=min_speakers, max_speakers=max_speakers,
                    channels=channels)  # type: ignore[arg-type]
 
 
-def default_beams(st: AppState, language: str | None, beam_size: int | None,
-                  ) -> tuple[int, int | None]:
-    """(beam, beam of windows not in English): the request's beam for all; else the defaults,
-    for English and for the rest (:attr:`Settings.default_beam_size_other`), decided now when
-    the language is given and by the engine per window when it is detected."""
-    if beam_size:
-        return beam_size, None
-    english, other = st.settings.default_beam_size, st.settings.default_beam_size_other
-    if language is not None:
-        return (english if language == "en" else other), None
-    return english, (other if other != english else None)
-
-
-def decode_options(st: AppState, language: str | None, task: str, beam_size: int | None,
+def decode_options(settings: Settings, language: str | None, task: str, beam_size: int | None,
                    initial_prompt: str | None, temperature: float = 0.0,
                    word_timestamps: bool = False, hotwords: str | None = None,
                    language_detection: str = "per_upload") -> JobOptions:
     lang = (language or "").strip().lower() or None
-    if lang is not None and lang not in st.languages:
+    if lang is not None and lang not in languages.CODES:
         raise BadRequest(f"unknown language {language!r}; use an ISO 639-1 code such as 'en'",
                          field="language")
-    beam, other = default_beams(st, lang, beam_size)
+    beam, other = languages.default_beams(lang, beam_size, settings.default_beam_size,
+                                          settings.default_beam_size_other)
     if temperature > 0:
         other = None  # sampling ignores the beam: no second generate per batch for it
     return JobOptions(
@@ -117,9 +92,9 @@ def decode_options(st: AppState, language: str | None, task: str, beam_size: int
 
 
 def spool_upload(src: UploadFile, dest: Path, max_bytes: int) -> int:
-    """Copy the (already disk-spooled) upload under our own name, enforcing the size limit.
-    fsynced: the job row that will point at it is committed only after (blobs.put syncs the
-    folder)."""
+    """Copy the (already disk-spooled) upload to the path the core gave, enforcing the size
+    limit. fsynced: the job row that will point at it is committed only after (blobs.put syncs
+    the folder). Blocking: the core runs it on a worker thread."""
     size = 0
     with dest.open("wb") as out:
         while block := src.file.read(1 << 20):
@@ -133,70 +108,25 @@ def spool_upload(src: UploadFile, dest: Path, max_bytes: int) -> int:
     return size
 
 
-KEPT_FORMAT_CHARS = frozenset("\u200c\u200d")  # zero-width (non-)joiners: parts of emoji and scripts
-
-
-def clean_name(name: str | None) -> str | None:
-    """A client's file name as a display name: control characters (NUL gave a 500 on
-    PostgreSQL), unpaired surrogates (not encodable) and invisible format characters (e.g.
-    right-to-left overrides, which disguise a name) removed; at most 255 characters."""
-    if not name:
-        return None
-    kept = "".join(c for c in name if unicodedata.category(c) not in ("Cc", "Cs", "Cf")
-                   or c in KEPT_FORMAT_CHARS)
-    return kept.strip()[:255] or None
-
-
-async def accept_upload(st: AppState, file: UploadFile | None, options: JobOptions,
-                        who: Caller, callback_url: str | None = None,
-                        audio_url: str | None = None,
+async def accept_upload(d: Door, file: UploadFile | None, options: JobOptions, who: Caller,
+                        callback_url: str | None = None, audio_url: str | None = None,
                         check: Callable[[float], None] | None = None,
-                        idempotency_key: str | None = None,
-                        spool: Spool = spool_upload) -> str:
-    """Spool (or fetch ``audio_url``) + probe + backpressure + commit. Returns the job id (the row
-    is committed): the new job's, or the first job's when another request with the same
-    Idempotency-Key committed first. ``check(duration_s)`` may refuse the upload after the probe.
+                        idempotency_key: str | None = None, spool: Spool = spool_upload) -> str:
+    """Hand the request's audio (a ``file`` or an ``audio_url``) to the door, once: the job id
+    it committed, or the first job's when another request with the same Idempotency-Key
+    committed first. ``check(duration_s)`` may refuse the upload after the probe.
 
-    ``spool`` copies the upload to its spool path and returns the bytes written (raw PCM uploads
-    of the whisper-asr-webservice API are wrapped in a WAV header on the way: app/api/asr.py)."""
+    ``spool`` copies the upload to the path the core gives and returns the bytes written (raw
+    PCM uploads of the whisper-asr-webservice API are wrapped in a WAV header on the way:
+    app/api/asr.py)."""
     audio_url = (audio_url or "").strip() or None
     if (file is None) == (audio_url is None):
         raise MissingInput("send the audio as a multipart 'file' or name it in 'audio_url' "
                            "(one of the two)", field="file")
-    # Both URL checks come before any byte is spooled or fetched.
-    callback_url = await check_callback_url(st.settings.webhooks, st.outbound, callback_url)
-    job_id = new_job_id()
-    # The client's file name is display-only; the spool path is our random id.
-    dest = st.spool_dir / job_id
-    try:
-        if file is not None:
-            size = await run_in_threadpool(spool, file, dest, st.settings.limits.max_upload_bytes)
-            filename = clean_name(file.filename)
-        else:
-            assert audio_url is not None
-            fetched = await fetch_audio(st.settings, st.outbound, audio_url, dest)
-            size, filename = fetched.size, clean_name(fetched.filename)
-            options = replace(options, audio_url=fetched.url)
-        if size == 0:
-            raise InvalidAudio("the uploaded file is empty")
-        info = await run_in_threadpool(audio.probe, dest, st.settings.limits.max_audio_s)
-        if check is not None:
-            check(info.duration_s)
-        job_options = options
-        async with admitted(st, info.duration_s, who.owner):  # 429 past the backlog bounds
-            first = await idempotency.commit(
-                st, who.owner, idempotency_key,
-                lambda key: st.runner.submit(job_id, dest, filename, job_options,
-                                             info.duration_s, who.owner, callback_url,
-                                             idempotency_key=key))
-    except BaseException:
-        dest.unlink(missing_ok=True)
-        raise
-    if first is not None:  # a concurrent request with this key won: this upload is not needed
-        await st.runner.drop_upload(st.runner.blobs.key(dest))
-        dest.unlink(missing_ok=True)
-        return first
-    return job_id
+    return await d.submit(Upload(
+        options, who.owner, write=partial(spool, file) if file is not None else None,
+        filename=file.filename if file is not None else None, audio_url=audio_url,
+        callback_url=callback_url, idempotency_key=idempotency_key, check=check))
 
 
 class MissingInput(ServiceError):
@@ -238,15 +168,15 @@ async def transcribe(
     )] = None,
     wait: Annotated[bool, Query(description="Answer with the finished job (200).")] = False,
     idempotency_key: idempotency.KeyHeader = None,
-    st: AppState = Depends(ready_state),
+    d: Door = Depends(ready_door),
     who: Caller = Depends(caller),
 ) -> JSONResponse:
     # A key already known was answered before the body was read (idempotency.IdempotencyGate).
     key = idempotency.parse_key(idempotency_key)
-    options = decode_options(st, language, task, beam_size, initial_prompt, temperature,
+    options = decode_options(d.settings, language, task, beam_size, initial_prompt, temperature,
                              word_timestamps, hotwords, language_detection)
-    options = speaker_options(st, options, diarize, num_speakers, min_speakers, max_speakers,
+    options = speaker_options(d, options, diarize, num_speakers, min_speakers, max_speakers,
                               channels)
-    job_id = await accept_upload(st, file, options, who, callback_url, audio_url,
+    job_id = await accept_upload(d, file, options, who, callback_url, audio_url,
                                  idempotency_key=key)
-    return await job_answer(st, job_id, wait)
+    return await job_answer(d, job_id, who.owner, wait)

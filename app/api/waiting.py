@@ -2,22 +2,18 @@
 
 Clients of these APIs hold the request open until the answer; nobody can collect the answer of
 a call whose client hung up (it retries and would pay twice), so the job is cancelled then, as
-the OpenAI route does. A job run by another replica ends there: this replica notices through
-the store, re-read every ``RECHECK_S`` (a job ending here wakes the wait at once).
+the OpenAI route does. A job run by another replica ends there: the door's wait notices through
+the store (:meth:`app.jobs.door.Door.wait`; a job ending here wakes it at once).
 """
 
 from __future__ import annotations
 
 import asyncio
-import time
 
 from fastapi import Request
 
 from app.errors import Conflict, ServiceError, TranscriptionFailed
-from app.jobs.store import TERMINAL, JobRow
-from app.state import AppState
-
-RECHECK_S = 15.0
+from app.jobs.door import Door, JobView
 
 
 class StillRunning(ServiceError):
@@ -30,11 +26,11 @@ class Restarting(ServiceError):
     error_type = "shutting_down"
 
 
-async def ended_or_gone(request: Request, st: AppState, job_id: str, timeout_s: float
-                        ) -> tuple[JobRow | None, bool]:
+async def ended_or_gone(request: Request, d: Door, job_id: str, owner: str | None,
+                        timeout_s: float) -> tuple[JobView | None, bool]:
     """Wait until the job ends (here or on another replica), the client disconnects or
-    ``timeout_s`` passes: the job's row then, and whether the client left."""
-    waiting = asyncio.create_task(_until_ended(st, job_id, timeout_s))
+    ``timeout_s`` passes: the job then, and whether the client left."""
+    waiting = asyncio.create_task(d.wait(job_id, timeout_s))
     gone = asyncio.create_task(_disconnected(request))
     try:
         await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -42,16 +38,17 @@ async def ended_or_gone(request: Request, st: AppState, job_id: str, timeout_s: 
         for t in (waiting, gone):
             t.cancel()
         await asyncio.gather(waiting, gone, return_exceptions=True)
-    return await st.store.get(job_id), gone.done() and not gone.cancelled()
+    return await d.get(job_id, owner), gone.done() and not gone.cancelled()
 
 
-async def wait_for_job(request: Request, st: AppState, job_id: str) -> JobRow:
+async def wait_for_job(request: Request, d: Door, job_id: str, owner: str | None) -> JobView:
     """The job once it is done; else the error to answer (:class:`ServiceError`)."""
-    row, left = await ended_or_gone(request, st, job_id, st.settings.limits.sync_timeout_s)
+    timeout_s = d.settings.limits.sync_timeout_s
+    row, left = await ended_or_gone(request, d, job_id, owner, timeout_s)
     if row is None:
         raise StillRunning(f"job {job_id} no longer exists", job_id=job_id)
-    if row.status not in TERMINAL and (left or st.runner.stopped):
-        await st.runner.cancel(row)  # nobody will collect it: the client left, or retries elsewhere
+    if not row.ended and (left or d.stopped):
+        await d.cancel(job_id, owner)  # nobody will collect it: the client left, or retries elsewhere
         if left:
             raise Conflict(f"the client disconnected; job {job_id} was cancelled", job_id=job_id)
         raise Restarting("the service is restarting; retry the request", job_id=job_id,
@@ -65,18 +62,9 @@ async def wait_for_job(request: Request, st: AppState, job_id: str) -> JobRow:
     if row.status == "cancelled":
         raise Conflict(f"job {job_id} was cancelled", job_id=job_id, status="cancelled")
     raise StillRunning(
-        f"the transcription is still running after {st.settings.limits.sync_timeout_s:.0f} s; it "
+        f"the transcription is still running after {timeout_s:.0f} s; it "
         f"continues as job {job_id} (GET /jobs/{job_id})", job_id=job_id,
         status_url=f"/jobs/{job_id}")
-
-
-async def _until_ended(st: AppState, job_id: str, timeout_s: float) -> None:
-    deadline = time.monotonic() + timeout_s
-    while (left := deadline - time.monotonic()) > 0 and not st.runner.stopped:
-        await st.runner.wait(job_id, min(left, RECHECK_S))
-        row = await st.store.get(job_id)
-        if row is None or row.status in TERMINAL:
-            return
 
 
 async def _disconnected(request: Request) -> None:

@@ -1,9 +1,11 @@
 """Cross-request micro-batcher: pools windows from every pending job into engine batches.
 
-Shape borrowed from Ray Serve's batch queue and text-embeddings-inference's queue: one asyncio task
-owns all queue state (no locks), callers get futures that are resolved only if still pending
-(cancelled callers cost nothing), and the loop is event-driven: it wakes on a new window or on
-the oldest window's deadline, never on a polling sleep.
+Shape borrowed from Ray Serve's batch queue and text-embeddings-inference's queue, on the
+batching primitive (app/batching/queue.py, which says how this batcher differs from the speaker
+models' one): one asyncio task owns all queue state (no locks), callers get futures that are
+resolved only if still pending (cancelled callers cost nothing), a failed batch is split until
+the failure is pinned on its window, and the loop is event-driven: it wakes on a new window or
+on the oldest window's deadline, never on a polling sleep.
 
 A batch leaves when a group of compatible windows reaches the cap, or its oldest window has
 waited ``max_wait_ms``, and an engine worker is free. Because batches form only when a worker is
@@ -22,9 +24,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from functools import partial
 
 from app.batching.capacity import BatchCap, WorkerSlots, beams
 from app.batching.fairness import JobLedger, fair_order
+from app.batching.queue import answer, isolate
 from app.batching.stages import Batch, DecodePool, GroupKey, Item, Stage, Stages, encoded_of
 from app.config import BatcherSettings
 from app.engine.device import is_oom
@@ -163,7 +167,8 @@ class Batcher:
                 return ready
             timeout = None if deadline is None else max(0.0, deadline - now)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):  # not wait_for: see app/jobs/webhooks.py
+                    await self._wake.wait()
 
     def _pick(self, now: float) -> tuple[Batch | None, float | None]:
         """The batch to run now, else when to look again.
@@ -335,9 +340,12 @@ class Batcher:
                 self._pool.encoding(items, -1)
 
     async def _execute(self, stage: Stage, key: DecodeOptions, items: list[Item]) -> None:
-        items = [i for i in items if not i.future.done()]  # cancelled while waiting: free
-        if not items:
-            return
+        """Run one batch, a failure split until it is pinned on its window (the primitive's
+        :func:`app.batching.queue.isolate`)."""
+        await isolate(items, partial(self._call, stage, key), self._alone,
+                      partial(self._failed, key))
+
+    async def _call(self, stage: Stage, key: DecodeOptions, items: list[Item]) -> None:
         m = self._metrics
         windows = [i.window for i in items]
         start = time.monotonic()
@@ -351,44 +359,38 @@ class Batcher:
                     results = await self._stages.decode(windows, encoded_of(items), key)
                 else:
                     results = await self._run_batch(windows, key)
-        except Exception as exc:
+        except Exception:
             m.processing.inc(time.monotonic() - start)  # engine time spent, even if wasted
-            await self._recover(stage, key, items, exc)
-            return
+            raise
         elapsed = time.monotonic() - start
         m.batch_duration.observe(elapsed)
         m.processing.inc(elapsed)
         if stage == "encode" and key.detect_only:  # the language was all it asked for
             for i, e in zip(items, encoded, strict=True):
-                if not i.future.done():
-                    i.future.set_result(WindowResult.detection(e.language, e.language_probability))
+                answer(i, WindowResult.detection(e.language, e.language_probability))
         elif stage == "encode":
             self._pool.add(items, encoded)
         else:
             m.batch_done(len(items), sum(w.duration for w in windows), WINDOW_S)
             for i, r in zip(items, results, strict=True):
                 i.encoded = None
-                if not i.future.done():
-                    i.future.set_result(r)
+                answer(i, r)
         self._cap.succeeded()
 
-    async def _recover(self, stage: Stage, key: DecodeOptions, items: list[Item],
-                       exc: Exception) -> None:
-        """Split a failed batch to isolate the cause; on OOM also halve the cap."""
+    def _failed(self, key: DecodeOptions, items: list[Item], exc: Exception) -> None:
+        """A failed call (before it is split): on OOM the cap halves too."""
         oom = is_oom(exc)
         self._metrics.batches.labels("oom" if oom else "error").inc()
         if oom:
             self._cap.out_of_memory(len(items), beams(key))
-        if len(items) == 1:
-            log.error("window of job %s failed: %s", items[0].job_id, exc)
-            items[0].fail(TranscriptionFailed(
-                f"inference failed for the window at {items[0].window.start:.1f}s: {exc}",
-                cause="out_of_memory" if oom else type(exc).__name__,
-            ))
-            return
-        half = len(items) // 2
-        await self._execute(stage, key, items[:half])
-        await self._execute(stage, key, items[half:])
+
+    @staticmethod
+    def _alone(item: Item, exc: Exception) -> None:
+        log.error("window of job %s failed: %s", item.job_id, exc)
+        item.fail(TranscriptionFailed(
+            f"inference failed for the window at {item.window.start:.1f}s: {exc}",
+            cause="out_of_memory" if is_oom(exc) else type(exc).__name__,
+        ))
 
     def _update_gauges(self) -> None:
         self._metrics.pending_windows.set(self.pending())

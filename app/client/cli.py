@@ -1,4 +1,4 @@
-"""``batchscribe``: the command-line client of a running service.
+"""``batchscribe``: the command-line client of a running service (``--ray``: of Ray, no service).
 
     batchscribe transcribe talk.mp3 interview.wav --format srt -o subs/
     batchscribe dataset train.jsonl -o train.pred.jsonl --server http://a:8000 --server http://b:8000
@@ -7,6 +7,10 @@
 
 Exit status: 0 every file done; 1 some failed (or the time-out came first); 2 bad usage, a bad
 manifest or checkpoint, or a refused API key; 130 interrupted (dataset: resume with --resume).
+
+This package speaks HTTP and never imports the service's insides (pyproject's import-linter
+contract "client"): ``--ray`` runs the pipeline in this process, so its runner is handed in by
+the console script, app/cli.py, which imports it (app/dataset/run.py) only when asked.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import asyncio
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -29,6 +34,7 @@ from app.client.progress import Progress, render, summary, write_summary
 from app.client.rows import Extras
 
 DEFAULT_URL = os.environ.get("BATCHSCRIBE_URL", "http://127.0.0.1:8000")
+RayRunner = Callable[[argparse.Namespace], int]  # ``dataset --ray``: app.dataset.run.run_ray
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -151,7 +157,8 @@ def run_dataset(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | 
     return 0 if complete and not state.failed else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, ray: RayRunner | None = None) -> int:
+    """Run the command line ``argv``; ``ray`` runs ``dataset --ray`` (None: refused, exit 2)."""
     args = parse_args(argv)
     if args.command == "transcribe":
         args.server = servers(args)[0]
@@ -162,13 +169,9 @@ def main(argv: list[str] | None = None) -> int:
             return 130
     try:
         if args.ray is not None:
-            from app.dataset.parts import PartsError
-            from app.dataset.run import run_ray
-
-            try:
-                return run_ray(args)
-            except PartsError as exc:
-                raise CheckpointError(str(exc)) from exc
+            if ray is None:
+                raise Fatal("--ray runs through the batchscribe command (app/cli.py)")
+            return ray(args)
         return run_dataset(args)
     except (ManifestError, CheckpointError, Fatal) as exc:
         print(f"error: {exc}", file=sys.stderr)

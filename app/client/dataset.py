@@ -123,7 +123,8 @@ class Run:
             tasks += [asyncio.create_task(self._poll(s), name=f"poll {s.url}") for s in self.servers]
             try:
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self.finished.wait(), timeout_s)
+                    async with asyncio.timeout(timeout_s):
+                        await self.finished.wait()
             finally:
                 self.finished.set()
                 self.changed.set()
@@ -165,7 +166,8 @@ class Run:
             paused = [s.flow.paused_until - now for s in self.servers
                       if s.submit and s.flow.paused_until > now]
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self.changed.wait(), min(paused) if paused else None)
+                async with asyncio.timeout(min(paused) if paused else None):
+                    await self.changed.wait()
 
     async def _submit(self, server: Server, row: Row) -> None:
         attempt = self.ckpt.state.attempt(row.index)
@@ -252,7 +254,8 @@ class Run:
             else:
                 interval = POLL_MIN_S if ended else min(POLL_MAX_S, interval * 1.5)
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(server.wake.wait(), interval)
+                async with asyncio.timeout(interval):
+                    await server.wake.wait()
 
     async def _poll_once(self, server: Server) -> int:
         ids = list(server.follow)

@@ -3,7 +3,7 @@ flooded.
 
 The service batches across requests, so it is fastest with many files queued: a deeper queue
 lets its micro-batcher fill decoder batches (at 32 closed-loop clients its throughput is ~0.94x
-of the offline engine limit; README, Performance). But queued audio is also what it answers 429
+of the offline engine limit; loadtest/README.md, Performance). But queued audio is also what it answers 429
 for (``limits.max_backlog_s``), and what a live request arriving meanwhile waits behind. So the
 client keeps a *target backlog* of a few seconds of the service's work:
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from app import scoring
+from app.client import scoring
 from app.client.checkpoint import State
 
 

@@ -9,7 +9,7 @@ Fields added (the input's own fields are never changed):
 * ``rtf``: the job's real-time factor (audio seconds / processing seconds);
 * with a reference (``text``, or ``--text-key``): ``wer`` in percent (``cer`` for zh/ja/ko/yue,
   whose text has no word spaces) and ``normaliser``, the one both sides went through
-  (app/scoring.py, the project's scorer);
+  (app/client/scoring.py, the project's scorer);
 * optional ``segments`` (start, end, text), ``words`` (word, start, end, probability), and
   ``srt_filepath`` / ``vtt_filepath`` for subtitle files written under ``OUT.subs/``.
 """
@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from app import scoring
+from app.client import scoring
 from app.client.manifest import Row
 
 
@@ -66,9 +66,9 @@ def output_row(row: Row, job: dict[str, Any], extras: Extras,
 
 
 def write_subtitles(result: dict[str, Any], fmt: str, path: Path) -> Path:
-    """srt/vtt from the job's segments, rendered as the service renders them (app.formats).
+    """srt/vtt from the job's segments, rendered as the service renders them (app.results.formats).
     Written before the row is recorded: a rerun rewrites the same file."""
-    from app.formats import render  # srt only; nothing of the service's engine
+    from app.results.formats import render  # srt only; nothing of the service's engine
 
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(path.suffix + ".tmp")

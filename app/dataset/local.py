@@ -4,16 +4,17 @@ Built as ``app.main`` builds the service (engines loaded and warmed up, which on
 the batch cap: app/engine/sizing.py; the VAD; the engine pool; the cross-request batcher with
 its two CPU stages, duration-aware grouping, dynamic time axis and OOM backoff; the prep pool;
 the speaker service), and every row runs as one job through the service's own
-:class:`app.jobs.feed.JobFeed`: probe, decode and VAD-cut a chunk at a time on the prep threads,
+:class:`app.jobs.work.JobWork`: probe, decode and VAD-cut a chunk at a time on the prep threads,
 windows handed to the batcher as they are cut, language detected inside the batch, the
-transcript assembled by :func:`app.transcript.transcript` (speakers assigned when asked). So a
-row's transcript is the one the service gives for the same file and options.
+transcript assembled by :func:`app.results.transcript.transcript` (speakers assigned when
+asked). So a row's transcript is the one the service gives for the same file and options.
 
-What the service's job runner adds around a feed (the store row, leases, attempts, progress
-events, webhooks) has no meaning here: :class:`_Runner` is the small part of its surface that a
-feed reads. Rows run concurrently up to ``storage.max_active_jobs`` (64), as jobs do in the
-service, so windows of many rows share engine batches and a row's decode overlaps others'
-inference.
+A job's work gets its shared parts and callbacks as :class:`app.jobs.work.Tools`, built here as
+the job runner builds it: what the runner adds around the work (the store row, leases,
+attempts, progress events, webhooks) has no meaning here, so the store and blob store are
+no-ops and the callbacks only mark the row started. Rows run concurrently up to
+``storage.max_active_jobs`` (64), as jobs do in the service, so windows of many rows share
+engine batches and a row's decode overlaps others' inference.
 
 Everything runs on a private event loop on its own thread (the engine on its worker threads,
 prep on the prep threads, none of it on the loop): callers on any thread or loop submit rows
@@ -31,10 +32,10 @@ import time
 from collections.abc import Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 from app.audio.media import probe
-from app.audio.vad import make_vad
+from app.audio.vad import Vad, make_vad
 from app.batching.batcher import Batcher
 from app.batching.stages import Stages
 from app.config import Settings
@@ -46,17 +47,15 @@ from app.engine.sizing import resolve_batcher
 from app.engine.startup import EngineFactory, start_engines
 from app.engine.whisper import size_class
 from app.errors import ServiceError, ShuttingDown
-from app.jobs.feed import Active, JobFeed
+from app.jobs.blobs import BlobStore
 from app.jobs.prep import PrepPool, prep_threads
-from app.jobs.store import JobRow
+from app.jobs.store import JobRow, JobStore
+from app.jobs.work import Active, JobWork, Tools
 from app.metrics import Metrics
+from app.results.transcript import transcript
 from app.speakers import assign_speakers
 from app.speakers.service import SpeakerService
-from app.transcript import transcript
 from app.windows import JobOptions
-
-if TYPE_CHECKING:
-    from app.jobs.runner import JobRunner
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -95,27 +94,30 @@ class _Blobs:
 
 
 class _Store:
+    """The one call a job's work makes on its store; no store here: a row's size and decoded
+    length are read from the work's outcome."""
+
     async def update(self, job_id: str, **fields: Any) -> None:
-        pass  # no job store: sizes and decoded lengths are read from the feed's outcome
-
-
-class _Runner:
-    """What :class:`JobFeed` reads of its job runner, and nothing else."""
-
-    def __init__(self, settings: Settings, batcher: Batcher, vad: Any, prep: PrepPool,
-                 speakers: SpeakerService) -> None:
-        self.settings, self.batcher, self.vad, self.prep = settings, batcher, vad, prep
-        self.speakers = speakers
-        self.blobs, self.store = _Blobs(), _Store()
-
-    async def job_started(self, job: JobRow, active: Active) -> None:
-        active.started = True
-
-    def changed(self, job_id: str) -> None:
         pass
 
-    def log_progress(self, job: JobRow, active: Active) -> None:
-        pass
+
+async def _started(job: JobRow, active: Active) -> None:
+    active.started = True  # no attempts to count: Ray retries a block, not a row
+
+
+def _changed(job_id: str) -> None:
+    pass  # no watchers (SSE) here
+
+
+def _progressed(job: JobRow, active: Active) -> None:
+    pass  # progress is counted per row by the caller
+
+
+def tools(settings: Settings, prep: PrepPool, vad: Vad, batcher: Batcher,
+          speakers: SpeakerService) -> Tools:
+    """What every row's :class:`JobWork` uses, as the job runner builds it, less the store."""
+    return Tools(settings, cast(JobStore, _Store()), cast(BlobStore, _Blobs()), prep, vad,
+                 batcher, speakers, started=_started, changed=_changed, progressed=_progressed)
 
 
 def held_mb(monitor: DeviceMonitor) -> float:
@@ -178,7 +180,7 @@ class LocalPipeline:
         self.prep = PrepPool(prep_threads(s.prep.workers, len(started.engines)))
         self.speakers = SpeakerService(s.speakers, s.model.cache_dir)
         await self.speakers.start()
-        self._runner = _Runner(s, self.batcher, self.vad, self.prep, self.speakers)
+        self._tools = tools(s, self.prep, self.vad, self.batcher, self.speakers)
         self._admitted = asyncio.Semaphore(s.storage.max_active_jobs)
         self.sizing = {"device": device, "compute_type": engine.info.compute_type,
                        "engines": len(started.engines), "workers": self.pool.workers,
@@ -213,8 +215,7 @@ class LocalPipeline:
                 row = job_row(job, head.duration_s)
                 task = asyncio.current_task()
                 assert task is not None
-                runner = cast("JobRunner", self._runner)
-                out = await JobFeed(runner, row, Active(task)).run()
+                out = await JobWork(self._tools, row, Active(task)).run()
             except ShuttingDown:
                 raise  # not the row's fault: its batch is retried, never recorded as failed
             except ServiceError as exc:
@@ -226,7 +227,7 @@ class LocalPipeline:
             o = job.options
             result = transcript(out.windows, out.results, out.language, out.seconds,
                                 o.word_timestamps or out.turns is not None, out.channels)
-            if out.turns is not None:  # diarize: as the job runner finishes such a job
+            if out.turns is not None:  # diarize: as the job runner completes such a job
                 result = assign_speakers(result, out.turns)
                 if not o.word_timestamps:
                     result["words"] = None
@@ -252,7 +253,7 @@ class LocalPipeline:
 
 
 def job_row(job: Job, audio_seconds: float) -> JobRow:
-    """The store row a feed reads (id, options, upload, the header's duration)."""
+    """The store row a job's work reads (id, options, upload, the header's duration)."""
     now = time.time()
     return JobRow(id=job.key, owner=None, status="running", created_at=now, started_at=now,
                   finished_at=None, expires_at=None, filename=job.path.name,

@@ -32,14 +32,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from app.client.checkpoint import CheckpointError
+
 HEADER = "_run.json"
 VERSION = 1
 # What must not change between a run and the rerun that completes it (as app.client.checkpoint).
 PINNED = ("input_digest", "language", "task", "word_timestamps", "diarize")
 
 
-class PartsError(RuntimeError):
-    """The parts folder and the command line disagree."""
+class PartsError(CheckpointError):
+    """The parts folder and the command line disagree (the CLI reports it as it reports a
+    checkpoint that disagrees: exit status 2)."""
 
 
 def key(row_id: Any) -> str:

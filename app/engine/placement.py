@@ -38,6 +38,7 @@ from typing import Any, TypeVar, cast
 from app.config import Settings
 from app.engine import Engine, EngineFailure, StagedEngine
 from app.engine.device import cuda_device_count, is_oom, is_sticky, resolve_device
+from app.engine.heap import HeapTrim
 from app.windows import DecodeOptions, Encoded, Window, WindowResult
 
 log = logging.getLogger(__name__)
@@ -271,31 +272,36 @@ class EnginePool:
 
 
 class EngineRunner:
-    """Runs the engine's calls on its dedicated threads, one batch per thread."""
+    """Runs the engine's calls on its dedicated threads, one batch per thread; after each call
+    the heap the call freed goes back to the OS when it is large (:mod:`app.engine.heap`)."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.workers = max(1, engine.info.num_workers)
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="engine")
+        self._trim = HeapTrim()
 
     @property
     def staged(self) -> bool:
         return bool(getattr(self.engine, "staged", False))
 
+    async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        def call() -> T:
+            try:
+                return fn(*args)
+            finally:
+                self._trim()
+        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+
     async def run(self, windows: Sequence[Window], options: DecodeOptions) -> list[WindowResult]:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._pool, self.engine.transcribe_batch, windows, options)
+        return await self._call(self.engine.transcribe_batch, windows, options)
 
     async def encode(self, windows: Sequence[Window], options: DecodeOptions) -> list[Encoded]:
-        loop = asyncio.get_running_loop()
-        engine = cast(StagedEngine, self.engine)
-        return await loop.run_in_executor(self._pool, engine.encode, windows, options)
+        return await self._call(cast(StagedEngine, self.engine).encode, windows, options)
 
     async def decode(self, windows: Sequence[Window], encoded: Sequence[Encoded],
                      options: DecodeOptions) -> list[WindowResult]:
-        loop = asyncio.get_running_loop()
-        engine = cast(StagedEngine, self.engine)
-        return await loop.run_in_executor(self._pool, engine.decode, windows, encoded, options)
+        return await self._call(cast(StagedEngine, self.engine).decode, windows, encoded, options)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

@@ -1,4 +1,4 @@
-"""Word timestamps from Whisper's cross-attention (sentence segments: app/transcript.py).
+"""Word timestamps from Whisper's cross-attention (sentence segments: app/results/transcript.py).
 
 ``word_timings`` is faster-whisper's ``find_alignment`` + ``add_word_timestamps`` for one window
 decoded without timestamp tokens (whisperx style): CTranslate2's ``align`` gives, per text

@@ -16,6 +16,7 @@ Every method blocks (disk or network): callers run them on a worker thread.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 import shutil
@@ -25,6 +26,7 @@ from typing import Any, Protocol
 from urllib.parse import urlparse
 
 from app.config import StorageSettings
+from app.net.s3 import s3_client, s3_location
 
 log = logging.getLogger(__name__)
 
@@ -105,23 +107,6 @@ class LocalBlobs:
         return out
 
 
-def s3_location(url: str) -> tuple[str, str]:
-    """``s3://bucket/a/b`` -> ("bucket", "a/b"); ValueError for anything else."""
-    u = urlparse(url)
-    if u.scheme != "s3" or not u.netloc:
-        raise ValueError(f"not an s3://bucket/key URL: {url!r}")
-    return u.netloc, u.path.lstrip("/")
-
-
-def s3_client(endpoint_url: str = "", config: Any = None) -> Any:
-    """A boto3 S3 client on the usual AWS_* credentials (boto3 is imported only here)."""
-    try:
-        import boto3
-    except ImportError as exc:
-        raise RuntimeError("s3:// storage needs boto3 (pip install boto3)") from exc
-    return boto3.client("s3", endpoint_url=endpoint_url or None, config=config)
-
-
 class S3Blobs:
     """S3-compatible object storage (tested against moto's S3 server, tests/test_blobs.py)."""
 
@@ -182,6 +167,15 @@ def make_blobs(storage: StorageSettings) -> BlobStore:
     if url.startswith("file://"):
         url = urlparse(url).path
     return LocalBlobs(Path(url) if url else storage.data_dir / "uploads")
+
+
+async def drop_upload(blobs: BlobStore, key: str) -> None:
+    """Remove a job's upload, off the event loop; a failure is logged, never raised (the
+    orphan sweep retries; a finished job must not fail for this)."""
+    try:
+        await asyncio.to_thread(blobs.delete, key)
+    except Exception as exc:
+        log.warning("cannot remove upload %s: %s", key, exc)
 
 
 def fsync_path(path: Path) -> None:

@@ -1,10 +1,13 @@
-"""The job runner: claims queued jobs from the store, runs each (app/jobs/feed.py), finishes it.
+"""The job runner: claims queued jobs from the store, runs each (app/jobs/work.py), finishes it.
 
 Per job: its audio is prepared a chunk at a time on the shared prep pool and each chunk's
-windows go to the batcher at once (:class:`app.jobs.feed.JobFeed`); results are reassembled in
+windows go to the batcher at once (:class:`app.jobs.work.JobWork`); results are reassembled in
 time order whatever order the batches finished in. Jobs are claimed only as fast as the prep
 pool starts them (about ``prep workers + 1`` claimed and not started), so a replica never sits
 on work another replica could start, and a drain gives unstarted jobs back at no cost.
+
+The job's work (app/jobs/work.py) and housekeeping (app/jobs/upkeep.py) hold no reference to
+the runner: they get its shared parts and a few callbacks (``Tools``, ``Hooks``).
 """
 
 from __future__ import annotations
@@ -12,8 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
-import secrets
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -24,22 +25,20 @@ from app.audio.vad import Vad
 from app.batching.batcher import Batcher
 from app.config import Settings
 from app.errors import ServiceError, ShuttingDown, TranscriptionFailed
-from app.jobs.blobs import BlobStore, make_blobs
-from app.jobs.feed import Active, JobFeed, Outcome
+from app.jobs.admission import Backlog
+from app.jobs.blobs import BlobStore, drop_upload, make_blobs
 from app.jobs.prep import PrepPool, prep_threads
 from app.jobs.store import TERMINAL, JobRow, JobStore
-from app.jobs.upkeep import Upkeep
+from app.jobs.upkeep import Hooks, Upkeep
+from app.jobs.work import Active, JobWork, Outcome, Tools
 from app.metrics import Metrics
+from app.results.transcript import transcript
 from app.speakers import assign_speakers
 from app.speakers.service import SpeakerService
-from app.transcript import transcript
 from app.windows import JobOptions
 
 log = logging.getLogger(__name__)
-
-
-def new_job_id() -> str:
-    return secrets.token_urlsafe(18)  # 144 random bits: ids cannot be guessed or enumerated
+RECHECK_S = 15.0  # a job run by another replica: how often a wait re-reads the store
 
 
 class JobRunner:
@@ -66,11 +65,11 @@ class JobRunner:
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._stopped = False  # stop() has finished: nothing more will end in this process
-        # Audio the API has admitted whose job row is not committed yet (see api.limits.admitted):
-        # counted in the backlog so concurrent uploads cannot all see the same room.
-        self.admitting_s = 0.0
-        self._backlog, self._backlog_at = 0.0, -math.inf  # the last backlog_seconds() answer
-        self.admission = asyncio.Lock()  # one backlog check at a time (the commits run freely)
+        # Accepted audio not yet transcribed: the store's queue less what is done here.
+        self.backlog = Backlog(store, self._audio_done_s)
+        self.tools = Tools(settings, store, self.blobs, self.prep, vad, batcher, speakers,
+                           started=self.job_started, changed=self.changed,
+                           progressed=self.log_progress)
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
@@ -80,8 +79,11 @@ class JobRunner:
         n = await self.store.requeue_stale(self.replica, everyone=not self.store.shared)
         if n:
             log.info("resuming %d job(s) interrupted by the last stop", n)
+        upkeep = Upkeep(self.store, self.blobs, self.replica, self.lease_s, Hooks(
+            progress=lambda: {k: a.windows_done for k, a in self.active.items()},
+            abandon=self._abandon, requeued=self.wake, refresh=self.refresh_gauges))
         self._tasks = [asyncio.create_task(self._claim_loop(), name="claim"),
-                       asyncio.create_task(Upkeep(self).loop(), name="maintenance")]
+                       asyncio.create_task(upkeep.loop(), name="maintenance")]
         self.wake()
 
     async def stop(self, grace_s: float) -> None:
@@ -128,7 +130,9 @@ class JobRunner:
     # ---- API side ----------------------------------------------------------------------------
     async def submit(self, job_id: str, upload: Path, filename: str | None, options: JobOptions,
                      audio_seconds: float, owner: str | None, callback_url: str | None = None,
-                     idempotency_key: str | None = None) -> None:  # hook: app/api/idempotency.py
+                     idempotency_key: str | None = None) -> None:
+        """Queue a spooled upload as a job (app/jobs/intake.py calls this once it is admitted).
+        ``idempotency_key``: the request key's digest, unique in the store."""
         # The upload is in the shared blob store before its row exists: whoever claims the job
         # finds it. The row holds the key, never this replica's path.
         key = self.blobs.key(upload)
@@ -151,7 +155,7 @@ class JobRunner:
             active.task.cancel()  # its queued windows are dropped by the batcher for free
         if ok:
             self._job_ended(job.id, "cancelled", job)
-            await self.drop_upload(job.upload_path)
+            await drop_upload(self.blobs, job.upload_path)
         return ok
 
     async def wait(self, job_id: str, timeout: float) -> None:
@@ -163,7 +167,19 @@ class JobRunner:
             self._done_events.pop(job_id, None)
             return
         with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(ev.wait(), timeout)
+            async with asyncio.timeout(timeout):  # not wait_for: see app/jobs/webhooks.py
+                await ev.wait()
+
+    async def wait_ended(self, job_id: str, timeout_s: float) -> None:
+        """Until the job ends, here or on another replica, or this runner stops, or
+        ``timeout_s`` passes. A job ending here wakes the wait at once; one ending elsewhere is
+        seen when the store is next read, every ``RECHECK_S``."""
+        deadline = time.monotonic() + timeout_s
+        while (left := deadline - time.monotonic()) > 0 and not self._stopped:
+            await self.wait(job_id, min(left, RECHECK_S))
+            row = await self.store.get(job_id)
+            if row is None or row.status in TERMINAL:
+                return
 
     @property
     def stopped(self) -> bool:
@@ -208,29 +224,26 @@ class JobRunner:
             out.append(r.text)
         return out
 
-    async def backlog_seconds(self, max_age_s: float = 0.0) -> float:
-        """Accepted audio not yet transcribed: what 429 and autoscaling look at.
+    def _audio_done_s(self) -> float:
+        """Audio this replica has transcribed of the jobs it runs (not those being finished:
+        their audio leaves the backlog with their final store write)."""
+        return sum(a.audio_done_s for a in self.active.values() if not a.ending)
 
-        ``max_age_s`` > 0 accepts the last answer if it is that recent (no store query): for
-        early, approximate checks such as the pre-body gate.
-        """
-        now = time.monotonic()
-        if max_age_s > 0 and now - self._backlog_at <= max_age_s:
-            return self._backlog
-        # Reservations read before the query: a job committed meanwhile is counted twice at
-        # worst (for an instant), never missed.
-        pending = self.admitting_s
-        queued = await self.store.queued_audio_seconds()
-        done = sum(a.audio_done_s for a in self.active.values() if not a.ending)
-        self._backlog, self._backlog_at = max(0.0, queued - done) + pending, now
-        return self._backlog
+    def _abandon(self, lost: set[str]) -> None:
+        """Stop jobs whose lease this replica lost (it stalled past the lease and the job was
+        requeued, maybe claimed elsewhere): their result could not be written anyway."""
+        for job_id in lost:
+            a = self.active.get(job_id)
+            if a is not None and not a.ending:  # ending: finished, its lease is already gone
+                log.warning("lease of job %s lost; abandoning it", job_id)
+                a.task.cancel()
 
     async def refresh_gauges(self) -> None:
         """Jobs by status and the backlog, from the store: on every scrape and in maintenance."""
         counts = await self.store.counts()
         for status in ("queued", "running", *TERMINAL):
             self.metrics.jobs.labels(status).set(counts.get(status, 0))
-        self.metrics.backlog.set(await self.backlog_seconds())
+        self.metrics.backlog.set(await self.backlog.seconds())
 
     def _ending(self, job_id: str) -> None:
         """Stop subtracting a job's done audio before its final store write (no dip in the
@@ -254,7 +267,8 @@ class JobRunner:
             # Woken by a submit, a job that started or ended; the timeout picks up other
             # replicas' work.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), 2.0)
+                async with asyncio.timeout(2.0):  # not wait_for: see app/jobs/webhooks.py
+                    await self._wake.wait()
 
     # ---- running one job ---------------------------------------------------------------------
     async def _run(self, job: JobRow) -> None:
@@ -262,7 +276,7 @@ class JobRunner:
         try:
             if self._stopping:
                 raise ShuttingDown("service stopping; the job stays queued")
-            await self._complete(job, await JobFeed(self, job, active).run())
+            await self._complete(job, await JobWork(self.tools, job, active).run())
         except asyncio.CancelledError:
             if self._stopping:
                 # Cancelled by the drain's deadline: the job was in an engine call that
@@ -333,20 +347,14 @@ class JobRunner:
                 self.metrics.diarization.observe(out.diarization_s)
                 self.metrics.diarized_audio.inc(out.seconds)
             self._job_ended(job.id, "done", job)
-            await self.drop_upload(job.upload_path)
+            await drop_upload(self.blobs, job.upload_path)
 
     async def _fail(self, job: JobRow, error: dict[str, Any]) -> None:
         self._ending(job.id)
         if await self.store.finish(job.id, self.replica, "failed",
                                    self.settings.storage.result_ttl_s, error=error):
             self._job_ended(job.id, "failed", job)
-            await self.drop_upload(job.upload_path)
-
-    async def drop_upload(self, key: str) -> None:
-        try:
-            await asyncio.to_thread(self.blobs.delete, key)
-        except Exception as exc:  # the orphan sweep retries; never fail a finished job for this
-            log.warning("cannot remove upload %s: %s", key, exc)
+            await drop_upload(self.blobs, job.upload_path)
 
     def _job_ended(self, job_id: str, status: str, job: JobRow) -> None:
         self.metrics.jobs_finished.labels(status).inc()

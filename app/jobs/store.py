@@ -6,7 +6,8 @@ A job row is committed before the client gets its 202, and the upload is already
 accepted job survives any crash. Jobs move queued -> running (claimed under a lease by one
 replica) -> done | failed | cancelled. Finishing is conditional on still holding the lease, which
 is what makes a result land exactly once even if a crashed replica's job was re-run.
-The schema is versioned (app/migrations, Alembic) and brought up to date by :meth:`JobStore.init`.
+The table is app/jobs/schema.py; its versions (app/jobs/migrations, Alembic) are brought up to
+date by :meth:`JobStore.init`.
 """
 
 from __future__ import annotations
@@ -21,53 +22,15 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from app.jobs.migrations import migrate
+from app.jobs.schema import jobs, metadata
 from app.jobs.sqlite import SqliteThread, StoreInUse, lock_sqlite
-from app.migrations import migrate
 
-__all__ = ["JobRow", "JobStore", "StoreInUse", "lock_sqlite"]
+__all__ = ["JobRow", "JobStore", "StoreInUse", "jobs", "lock_sqlite", "metadata"]
 
 TERMINAL = ("done", "failed", "cancelled")
 T = TypeVar("T")
 
-metadata = sa.MetaData()
-jobs = sa.Table(
-    "jobs",
-    metadata,
-    sa.Column("id", sa.String(64), primary_key=True),
-    sa.Column("owner", sa.String(128), nullable=True, index=True),
-    sa.Column("status", sa.String(16), nullable=False, index=True),
-    sa.Column("created_at", sa.Float, nullable=False),
-    sa.Column("started_at", sa.Float),
-    sa.Column("finished_at", sa.Float),
-    sa.Column("expires_at", sa.Float, index=True),
-    sa.Column("filename", sa.String(512)),
-    sa.Column("upload_path", sa.String(1024), nullable=False),
-    sa.Column("options", sa.JSON, nullable=False),
-    sa.Column("audio_seconds", sa.Float, nullable=False, default=0.0),
-    sa.Column("windows_total", sa.Integer),
-    sa.Column("windows_done", sa.Integer, nullable=False, default=0),
-    sa.Column("queue_wait_s", sa.Float),
-    sa.Column("processing_s", sa.Float),
-    sa.Column("diarization_s", sa.Float),  # diarize jobs: wall seconds of their speaker work
-    sa.Column("result", sa.JSON),
-    sa.Column("error", sa.JSON),
-    sa.Column("attempts", sa.Integer, nullable=False, default=0),
-    sa.Column("lease_owner", sa.String(128)),
-    sa.Column("lease_expires_at", sa.Float),
-    sa.Column("replica", sa.String(128)),  # who claimed it last; unlike lease_owner, kept at the end
-    # Webhook delivery (app/jobs/webhooks.py). The state becomes "pending" in the same UPDATE that
-    # finishes the job, so a crash between the two can never lose a delivery.
-    sa.Column("callback_url", sa.String(2048)),
-    sa.Column("webhook_status", sa.String(16), index=True),  # pending | delivered | failed
-    sa.Column("webhook_attempts", sa.Integer),
-    sa.Column("webhook_next_at", sa.Float),  # next attempt due (also the lease of one in flight)
-    sa.Column("webhook_last_error", sa.String(512)),
-    sa.Column("webhook_delivered_at", sa.Float),
-    # sha256(owner, Idempotency-Key) of the POST that made the job (app/api/idempotency.py): the
-    # owner is inside the digest, so one unique column scopes keys per caller, the keyless tenant
-    # (owner NULL, which a unique index over (owner, key) would not constrain) included.
-    sa.Column("idempotency_key", sa.String(64), unique=True, index=True),
-)
 WEBHOOK_ON = ("done", "failed")  # final statuses that are delivered to a job's callback_url
 
 # Statements run on every request, built once: building one (coercing each operand, creating
@@ -172,7 +135,7 @@ class JobStore:
             return await conn.run_sync(fn)
 
     async def init(self) -> None:
-        """Create or upgrade the schema (versioned migrations; see app/migrations)."""
+        """Create or upgrade the schema (versioned migrations; see app/jobs/migrations)."""
         await self.run(migrate)
 
     async def close(self) -> None:

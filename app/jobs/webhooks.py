@@ -29,7 +29,7 @@ import sqlalchemy as sa
 from app.config import WebhookSettings
 from app.errors import BadRequest, public_error
 from app.jobs.store import JobRow, JobStore, claim_rows, db_now, jobs
-from app.outbound import OutboundError, OutboundGuard
+from app.net.outbound import OutboundError, OutboundGuard
 
 log = logging.getLogger(__name__)
 
@@ -138,8 +138,14 @@ class WebhookDispatcher:
             except Exception:
                 log.exception("webhook dispatch pass failed; retrying")
                 timeout = 5.0
+            # Not asyncio.wait_for: on Python 3.11 it returns normally when a cancel lands as the
+            # event is set (the inner wait has finished), so stop()'s cancel was lost and the loop
+            # went on waiting (2 of 12 runs of tests/test_webhooks_guard.py hung until the
+            # 900 s test timeout). asyncio.timeout lets the cancel through; every event wait in
+            # the service is written this way.
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._wake.wait(), timeout)
+                async with asyncio.timeout(timeout):
+                    await self._wake.wait()
 
     async def _claim(self, limit: int) -> list[JobRow]:
         if limit <= 0:

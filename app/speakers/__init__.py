@@ -33,7 +33,7 @@ lifespan start/stop); a diarize job's feed drives its stream through
     async for samples, offset_s in decoded_chunks:    # 16 kHz mono float32, contiguous
         await stream.feed(samples, offset_s)          # model work for this chunk, batched
     turns = await stream.finish()                     # [Turn(start, end, "SPEAKER_00"), ...]
-    result = assign_speakers(transcript_dict, turns)  # app/transcript.py transcript() shape
+    result = assign_speakers(transcript_dict, turns)  # app/results/transcript.py transcript() shape
     # shutdown
     await diarizer.stop()
 

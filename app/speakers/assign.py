@@ -1,7 +1,7 @@
 """Speaker names on a transcript: words get the speaker they overlap most, segments split where
 the speaker changes.
 
-Input is the service's transcript dict (``app/transcript.py`` ``transcript()``): ``segments`` with
+Input is the service's transcript dict (``app/results/transcript.py`` ``transcript()``): ``segments`` with
 ``start``/``end``/``text`` and, with word timestamps, ``words`` (``word``/``start``/``end``).
 - A word takes the speaker whose turns overlap it longest; a word in no turn (a pause the
   segmentation model heard as silence) takes the nearest turn's speaker, as whisperx's

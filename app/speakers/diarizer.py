@@ -18,7 +18,7 @@ from typing import Protocol
 
 import numpy as np
 
-from app.speakers.batcher import ModelBatcher
+from app.batching.queue import ModelBatcher
 from app.speakers.cluster import SpeakerBounds
 from app.speakers.models import SAMPLE_RATE, FrameGrid
 from app.speakers.stream import SpeakerStream

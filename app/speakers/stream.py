@@ -31,7 +31,7 @@ from app.speakers.models import CROP_SAMPLES, SAMPLE_RATE, FrameGrid, circle_pad
 from app.speakers.turns import Turn, compress, reconstruct, to_turns
 
 if TYPE_CHECKING:
-    from app.speakers.batcher import ModelBatcher
+    from app.batching.queue import ModelBatcher
 
 CROP_S = 1.5  # 3D-Speaker's diarization sub-segment and hop (chunk(dur=1.5, step=0.75))
 CROP_HOP_S = 0.75

@@ -1,7 +1,7 @@
 """``audio_url``: the service downloads the audio itself, into the spool file an upload would have
 been written to; from there the job is accepted exactly like an upload (probe, admission, commit).
 
-* ``http(s)://`` through the outbound guard (:mod:`app.outbound`): the destination is checked
+* ``http(s)://`` through the outbound guard (:mod:`app.net.outbound`): the destination is checked
   at submit and again where the connection is made, no redirects are followed, and the whole
   download runs under ``outbound.fetch_timeout_s``.
 * ``s3://bucket/key`` with the blob store's credentials (``storage.s3_endpoint_url`` and the
@@ -31,8 +31,8 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 from app import audio
 from app.config import Settings
 from app.errors import BadRequest, Overloaded, PayloadTooLarge, ServiceError
-from app.jobs.blobs import s3_client, s3_location
-from app.outbound import OutboundError, OutboundGuard
+from app.net.outbound import OutboundError, OutboundGuard
+from app.net.s3 import s3_client, s3_location
 
 PROBE_AFTER_BYTES = 1 << 20  # enough for any container header we accept (WAV's is 44 bytes)
 WRITE_BLOCK = 1 << 20

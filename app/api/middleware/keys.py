@@ -6,7 +6,7 @@ base URL ``http://host:8000/key/<key>``); it is cut from the request before anyt
 
 The service never stores a key: the settings hold ``sha256(key)`` hex digests, a request's key
 is hashed and compared in constant time. The caller's tenant ("owner") is a short prefix of that
-digest; every job row carries it and :func:`app.api.deps.load_job` answers 404 for other
+digest; every job row carries it and the door (app/jobs/door.py) answers 404 for other
 tenants' jobs, so a key can neither read, cancel nor list another key's jobs, nor learn that
 they exist. With no keys configured the middleware is not installed and every caller is the one
 tenant ``None``.
@@ -28,12 +28,12 @@ import fnmatch
 import hashlib
 import hmac
 import ipaddress
-import json
 from typing import Any
 
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
+from app.api.middleware.reply import send_error
 from app.config import SecuritySettings, Settings
 from app.errors import NotFound, ServiceError
 from app.web import PAGE_PATHS
@@ -163,17 +163,6 @@ def open_paths(settings: SecuritySettings) -> frozenset[str]:
     return frozenset(paths)
 
 
-async def send_error(send: Send, err: ServiceError, path: str,
-                     extra: list[tuple[bytes, bytes]] | None = None) -> None:
-    """A JSON error answered by a middleware, before any route (and its handlers) runs."""
-    body = json.dumps(err.body_for(path)).encode()
-    await send({"type": "http.response.start", "status": err.status_code, "headers": [
-        (b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-        *(extra or []),
-    ]})
-    await send({"type": "http.response.body", "body": body})
-
-
 KEY_PREFIX = "/key/"
 # Routes that take a key in the path: whisper-asr-webservice's, whose clients (Bazarr) set a base
 # URL and send no header. A key in a URL can reach proxies' logs, so nowhere else.
@@ -246,7 +235,7 @@ class ApiKeyMiddleware:
 
     @staticmethod
     async def _send(send: Send, err: Unauthorized, path: str, challenge: str) -> None:
-        await send_error(send, err, path, [(b"www-authenticate", challenge.encode())])
+        await send_error(send, err, path, extra=[(b"www-authenticate", challenge.encode())])
 
 
 def install_security(app: FastAPI, settings: SecuritySettings) -> None:

@@ -16,7 +16,7 @@ depends_on = None
 
 
 def upgrade() -> None:
-    # Frozen copy of the columns, not app.jobs.store.jobs: that table keeps changing, this must not.
+    # Frozen copy of the columns, not app.jobs.schema.jobs: that table keeps changing, this must not.
     op.create_table(
         "jobs",
         sa.Column("id", sa.String(64), primary_key=True),

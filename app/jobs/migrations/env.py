@@ -1,4 +1,4 @@
-"""Alembic environment: always on the connection :func:`app.jobs.store.migrate` hands over.
+"""Alembic environment: always on the connection :func:`app.jobs.migrations.migrate` hands over.
 
 The service runs migrations itself (inside the start-up transaction that holds the migration
 lock), so there is no alembic.ini and no URL here: a second way to reach the database would be a
@@ -9,11 +9,11 @@ from __future__ import annotations
 
 from alembic import context
 
-from app.jobs.store import metadata
+from app.jobs.schema import metadata
 
 connection = context.config.attributes.get("connection")
 if connection is None:
-    raise RuntimeError("run migrations through app.jobs.store.migrate(connection)")
+    raise RuntimeError("run migrations through app.jobs.migrations.migrate(connection)")
 
 context.configure(
     connection=connection,

@@ -1,7 +1,7 @@
 """Versioned schema migrations (Alembic), run by :meth:`app.jobs.store.JobStore.init` at start-up.
 
 A new column or index is a new file in ``versions/`` (never an edit of an applied one), and
-``tests/test_migrations.py`` fails while the migrated schema differs from ``app.jobs.store.jobs``.
+``tests/test_migrations.py`` fails while the migrated schema differs from ``app.jobs.schema.jobs``.
 """
 
 from __future__ import annotations

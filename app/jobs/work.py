@@ -1,5 +1,5 @@
-"""One claimed job's work: its audio prepared chunk by chunk, each chunk's windows handed to the
-batcher at once, the results collected in upload order.
+"""One claimed job's work (:class:`JobWork`): its audio prepared chunk by chunk, each chunk's
+windows handed to the batcher at once, the results collected in upload order.
 
 * **Streaming.** The upload's first windows reach the batcher after one chunk of decoding
   (``prep.chunk_s``), so a long upload's first batch runs within seconds and its decoding
@@ -25,21 +25,25 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from app.audio import AudioStream
 from app.audio.stream import Chunk
+from app.audio.vad import Vad
+from app.batching.batcher import Batcher
+from app.config import Settings
 from app.errors import DiarizationOff, InvalidAudio
+from app.jobs.blobs import BlobStore
+from app.jobs.prep import PrepPool
 from app.jobs.speakers import JobSpeakers
-from app.jobs.store import JobRow
+from app.jobs.store import JobRow, JobStore
 from app.speakers import Turn
+from app.speakers.service import SpeakerService
 from app.windows import WINDOW_S, JobOptions, Window, WindowResult
-
-if TYPE_CHECKING:
-    from app.jobs.runner import JobRunner
 
 EMPTY = np.zeros(0, dtype=np.float32)
 DURATION_SLACK_S = 10.0  # decoded audio past the header's duration before the backlog is told
@@ -58,8 +62,24 @@ class Active:
     audio_done_s: float = 0.0
     ending: bool = False  # being finished: its audio leaves the backlog with its store row
     results: dict[int, WindowResult] = field(default_factory=dict)  # by window index
-    texts_from: int = 0  # see JobRunner.finished_prefix
     room: asyncio.Event = field(default_factory=asyncio.Event)  # set: the next chunk may go
+
+
+@dataclass(frozen=True)
+class Tools:
+    """What every job's work uses, built once by the job runner: its shared parts, and three
+    callbacks into it (not the runner itself: the work reports, the runner decides)."""
+
+    settings: Settings
+    store: JobStore
+    blobs: BlobStore
+    prep: PrepPool
+    vad: Vad
+    batcher: Batcher
+    speakers: SpeakerService | None  # diarize=true jobs (None: refused)
+    started: Callable[[JobRow, Active], Awaitable[None]]  # its work begins: an attempt counts
+    changed: Callable[[str], None]  # the job changed (a window done, all cut): wake watchers
+    progressed: Callable[[JobRow, Active], None]  # a window finished (the progress log)
 
 
 @dataclass
@@ -73,9 +93,11 @@ class Outcome:
     diarization_s: float | None = None  # wall seconds of the job's speaker work
 
 
-class JobFeed:
-    def __init__(self, runner: JobRunner, job: JobRow, active: Active) -> None:
-        self.runner = runner
+class JobWork:
+    """One claimed job's work (see the module docstring); :meth:`run` returns its outcome."""
+
+    def __init__(self, tools: Tools, job: JobRow, active: Active) -> None:
+        self.tools = tools
         self.job = job
         self.active = active
         self.options = o = JobOptions.from_dict(job.options)
@@ -98,7 +120,7 @@ class JobFeed:
                 self.speakers.cancel()  # failed or cancelled: its speaker work stops too
 
     async def _run(self) -> Outcome:
-        r = self.runner
+        r = self.tools
         prep = r.prep
         if self.options.diarize:
             if r.speakers is None:
@@ -110,7 +132,7 @@ class JobFeed:
             stream = await prep.run(0, AudioStream, path, r.vad, r.settings.limits.max_audio_s,
                                     r.settings.prep.chunk_s, self.separate)
             try:
-                await r.job_started(self.job, self.active)
+                await r.started(self.job, self.active)
                 rank = 0
                 while not stream.done:
                     await self._room()
@@ -173,7 +195,7 @@ class JobFeed:
         self.channels += channels[: len(windows)]
         self.active.windows_cut = len(self.windows)
         self.active.windows_expected = self._estimate(stream)
-        futures = self.runner.batcher.submit(self.job.id, windows, self.key, first_rank=first,
+        futures = self.tools.batcher.submit(self.job.id, windows, self.key, first_rank=first,
                                              job_windows=self.active.windows_expected,
                                              owner=self.job.owner)
         for k, (f, w) in enumerate(zip(futures, windows, strict=True)):
@@ -191,15 +213,15 @@ class JobFeed:
             a.results[index] = f.result()
             a.windows_done += 1
             a.audio_done_s += duration
-            self.runner.log_progress(self.job, a)
-            self.runner.changed(self.job.id)
+            self.tools.progressed(self.job, a)
+            self.tools.changed(self.job.id)
         return done
 
     def _waiting(self) -> int:
         return sum(1 for f in self.futures if not f.done())
 
     def _update_room(self) -> None:
-        if self._waiting() < self.runner.settings.prep.ahead_windows:
+        if self._waiting() < self.tools.settings.prep.ahead_windows:
             self.active.room.set()
         else:
             self.active.room.clear()
@@ -212,5 +234,5 @@ class JobFeed:
         """Past the header's duration (and a margin): the backlog counts the decoded length."""
         if seconds > self._counted_s + DURATION_SLACK_S:
             self._counted_s = seconds
-            await self.runner.store.update(self.job.id, audio_seconds=round(seconds, 3))
+            await self.tools.store.update(self.job.id, audio_seconds=round(seconds, 3))
 

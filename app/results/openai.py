@@ -7,6 +7,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from app.engine.languages import LANGUAGES
+
 
 class OpenAIErrorDetail(BaseModel):
     message: str
@@ -87,8 +89,6 @@ class OpenAITranscription(BaseModel):
 
 
 def verbose_json(result: dict[str, Any], task: str, words: bool) -> dict[str, Any]:
-    from whisperx.utils import LANGUAGES  # a plain dict module: no torch import
-
     code = result.get("language")
     out: dict[str, Any] = {
         "task": task, "language": LANGUAGES.get(code or "", code), "duration": result["duration"],

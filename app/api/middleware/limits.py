@@ -1,0 +1,125 @@
+"""Request limits before the route runs: the body size, enforced while it streams in, and the
+backlog gate (429 before the body is read).
+
+Body size: two checks, both answering 413 with the JSON error body of :mod:`app.errors`:
+
+* a declared ``Content-Length`` over the limit is refused before a byte of the body is read;
+* otherwise (chunked uploads, or a lying length) the bytes are counted as they arrive and the
+  request is cut off the moment the count passes the limit. Starlette's form parser spools file
+  parts to a temporary file past 1 MiB, so an upload is never held whole in memory either way.
+
+The exact per-file limit (``limits.max_upload_bytes``) is checked again when the upload is copied
+to the spool (:func:`app.api.transcribe.spool_upload`); this layer allows a little multipart
+framing on top so that a file of exactly the limit is accepted.
+
+Why the response is swapped rather than rendered by an exception handler: an exception raised
+from ``receive()`` inside FastAPI's form parsing is turned into a generic 400 ("error parsing
+the body") before any handler sees it. So the guard remembers that it cut the body off and
+replaces whatever response the app then starts with the 413.
+
+Backlog: the bounds themselves (the global backlog, each API key's share) are the core's
+(app/jobs/admission.py); the exact check, with the upload's duration, runs when the door takes
+the upload. While the backlog is already full, :class:`BacklogGate` asks the door before the
+body is read: in a burst the rejected clients then cost a header each, not an upload spooled
+to disk and probed only to be refused.
+"""
+
+from __future__ import annotations
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from app.api.middleware.reply import declared_length, send_error
+from app.errors import Overloaded, PayloadTooLarge
+from app.jobs.door import Door
+
+# Multipart boundaries, part headers and the small form fields (initial_prompt <= 1000 chars).
+MULTIPART_SLACK = 64 * 1024
+
+
+def too_large(limit: int, received: int | None = None) -> PayloadTooLarge:
+    what = f"request body of {received} bytes" if received is not None else "upload"
+    return PayloadTooLarge(f"{what} exceeds the limit of {limit} bytes", limit_bytes=limit)
+
+
+class _Guard:
+    """Per request: counts body bytes; once over the limit, owns the response."""
+
+    def __init__(self, receive: Receive, send: Send, max_body: int, limit: int, path: str) -> None:
+        self._receive = receive
+        self._send = send
+        self.path = path
+        self.max_body = max_body
+        self.limit = limit
+        self.received = 0
+        self.error: PayloadTooLarge | None = None
+        self.started = False  # a response has begun (ours or the app's)
+        self.replaced = False  # the app's response is being dropped for our 413
+
+    async def receive(self) -> Message:
+        if self.error is not None:  # the app asks again after the cut-off: keep refusing
+            raise self.error
+        message = await self._receive()
+        if message["type"] == "http.request":
+            self.received += len(message.get("body", b""))
+            if self.received > self.max_body:
+                self.error = too_large(self.limit)
+                raise self.error
+        return message
+
+    async def send(self, message: Message) -> None:
+        if message["type"] == "http.response.start":
+            if self.error is not None and not self.started:
+                self.replaced = True
+                self.started = True
+                await send_error(self._send, self.error, self.path, close=True)
+                return
+            self.started = True
+        elif message["type"] == "http.response.body" and self.replaced:
+            return  # the app's own rendering of the cut-off (e.g. a 400): dropped
+        await self._send(message)
+
+
+class BodyLimitMiddleware:
+    def __init__(self, app: ASGIApp, max_upload_bytes: int) -> None:
+        self.app = app
+        self.limit = max_upload_bytes
+        self.max_body = max_upload_bytes + MULTIPART_SLACK
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        declared = declared_length(scope)
+        if declared is not None and declared > self.max_body:
+            await send_error(send, too_large(self.limit, declared), scope["path"], close=True)  # unread
+            return
+        guard = _Guard(receive, send, self.max_body, self.limit, scope["path"])
+        try:
+            await self.app(scope, guard.receive, guard.send)
+        except PayloadTooLarge as exc:  # escaped the app unrendered (e.g. raised by a stream)
+            if guard.started:
+                raise
+            await send_error(send, exc, scope["path"], close=True)
+
+
+class BacklogGate:
+    """An upload (``GATED_PATHS``) while the backlog (or the caller's key's share) is already
+    full: 429 before the body is read (:meth:`app.jobs.door.Door.gate`)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GATED_PATHS:
+            door: Door | None = getattr(scope["app"].state, "door", None)
+            if door is not None and door.ready:
+                owner = scope.get("state", {}).get("owner")  # set by the API key check
+                try:
+                    await door.gate(owner)
+                except Overloaded as exc:
+                    await send_error(send, exc, scope["path"], close=True)
+                    return
+        await self.app(scope, receive, send)
+
+
+GATED_PATHS = frozenset({"/transcribe", "/asr", "/detect-language"})

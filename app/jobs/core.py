@@ -1,0 +1,180 @@
+"""The core behind the door (app/jobs/door.py): what HTTP sees of the job runner, the store,
+admission, the event streams and the engines, in one object built by the lifespan
+(app/main.py) and put on ``app.state.door``.
+
+It holds no logic of its own beyond reading and routing: submissions go to
+:class:`app.jobs.intake.Intake`, the backlog bounds to :class:`app.jobs.admission.Admission`,
+event streams to :class:`app.jobs.events.EventHub`, the work itself to the job runner.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from contextlib import AbstractContextManager
+from pathlib import PurePath
+from typing import Any
+
+from prometheus_client import generate_latest
+
+from app.batching.batcher import Batcher
+from app.config import Settings
+from app.engine.device import DeviceMonitor
+from app.engine.placement import EnginePool
+from app.errors import DiarizationOff
+from app.jobs.admission import Admission
+from app.jobs.door import Health, Readiness, ServiceStatus, Upload
+from app.jobs.events import EventHub, Subscription
+from app.jobs.intake import Intake
+from app.jobs.runner import JobRunner
+from app.jobs.speed import Speed, Speedometer
+from app.jobs.store import JobRow, JobStore
+from app.jobs.views import JobView
+from app.metrics import Metrics
+from app.net.outbound import OutboundGuard
+
+log = logging.getLogger(__name__)
+STORE_TIMEOUT_S = 2.0  # /metrics and /status: well under Prometheus' default 10 s scrape timeout
+
+
+class Core:
+    """Implements :class:`app.jobs.door.Door`."""
+
+    def __init__(self, settings: Settings, metrics: Metrics, store: JobStore, runner: JobRunner,
+                 batcher: Batcher, engines: EnginePool, monitor: DeviceMonitor,
+                 outbound: OutboundGuard, sizing: dict[str, Any] | None = None) -> None:
+        self.settings = settings
+        self.metrics = metrics
+        self.ready = False  # set by the lifespan once warm; cleared when the drain begins
+        self.sizing = sizing  # the batch sizing the warm-up measured (GET /readyz)
+        self._store = store
+        self._runner = runner
+        self._batcher = batcher
+        self._engines = engines
+        self._monitor = monitor
+        self._speed = Speed(metrics, lambda: engines.workers)
+        self._meter = Speedometer(metrics)
+        self._admission = Admission(settings, store, runner.backlog, metrics,
+                                    self._speed.retry_after_s)
+        self._intake = Intake(settings, store, runner.blobs, outbound, self._admission,
+                              runner.submit)
+        self._hub = EventHub(settings.limits.max_event_streams_per_key, self._read,
+                             runner.watch, lambda: runner.stopped)
+
+    @property
+    def stopped(self) -> bool:
+        return self._runner.stopped
+
+    # ---- taking work ---------------------------------------------------------------------------
+    def check_speakers(self) -> None:
+        speakers = self._runner.speakers
+        if speakers is None:
+            raise DiarizationOff("speaker diarization is not available on this service",
+                                 field="diarize")
+        speakers.check()  # off: 400; models that failed to load: 503
+
+    async def gate(self, owner: str | None) -> None:
+        await self._admission.gate(owner)
+
+    async def submit(self, upload: Upload) -> str:
+        return await self._intake.submit(upload)
+
+    async def replay(self, owner: str | None, key: str) -> JobView | None:
+        row = await self._intake.find(owner, key)
+        return self._view(row) if row is not None else None
+
+    # ---- jobs ----------------------------------------------------------------------------------
+    def _view(self, row: JobRow) -> JobView:
+        return JobView.of(row, self._runner.progress(row.id))
+
+    async def _read(self, job_id: str) -> JobView | None:
+        row = await self._store.get(job_id)
+        return self._view(row) if row is not None else None
+
+    async def _own(self, job_id: str, owner: str | None) -> JobRow | None:
+        row = await self._store.get(job_id)
+        # Another tenant's job is "not found", not "forbidden": ids must not leak.
+        return row if row is not None and row.owner == owner else None
+
+    async def get(self, job_id: str, owner: str | None) -> JobView | None:
+        row = await self._own(job_id, owner)
+        return self._view(row) if row is not None else None
+
+    async def jobs(self, owner: str | None, limit: int) -> list[JobView]:
+        return [self._view(r) for r in await self._store.list(owner, limit)]
+
+    async def some(self, ids: list[str], owner: str | None) -> list[JobView]:
+        return [self._view(r) for r in await self._store.get_many(ids, owner)]
+
+    async def cancel(self, job_id: str, owner: str | None) -> JobView | None:
+        row = await self._own(job_id, owner)
+        if row is None:
+            return None
+        await self._runner.cancel(row)
+        return await self.get(job_id, owner)
+
+    async def wait(self, job_id: str, timeout_s: float) -> None:
+        await self._runner.wait_ended(job_id, timeout_s)
+
+    def events(self, job_id: str, owner: str | None) -> Subscription:
+        return self._hub.open(job_id, owner)
+
+    def watch(self, job_id: str) -> AbstractContextManager[asyncio.Event]:
+        return self._runner.watch(job_id)
+
+    def finished_texts(self, job_id: str, start: int) -> list[str] | None:
+        return self._runner.finished_prefix(job_id, start)
+
+    # ---- the service ---------------------------------------------------------------------------
+    async def backlog_s(self, max_age_s: float = 0.0) -> float:
+        return await self._runner.backlog.seconds(max_age_s)
+
+    def speed(self) -> float:
+        return self._speed.now()
+
+    def model_name(self) -> str:
+        return PurePath(self._engines.engine.info.model).name  # a model folder path: its name
+
+    def health(self) -> Health:
+        running = self._batcher.oldest_call_s()
+        if running > self.settings.batcher.stall_after_s:
+            return Health("engine_stalled", {"engine_call_running_s": round(running)})
+        if (reason := self._engines.unhealthy()) is not None:
+            return Health("engine_failing", {"reason": reason, "engines": self._engines.status()})
+        return Health()
+
+    def readiness(self) -> Readiness:
+        info = self._engines.engine.info
+        return Readiness(ready=self.ready and self._engines.unhealthy() is None,
+                         model=info.model, device=info.device, compute_type=info.compute_type,
+                         engines=self._engines.status(), sizing=self.sizing)
+
+    async def status(self) -> ServiceStatus:
+        rates = self._meter.read()
+        try:
+            jobs = await asyncio.wait_for(self._store.counts(), STORE_TIMEOUT_S)
+            backlog = await asyncio.wait_for(self.backlog_s(1.0), STORE_TIMEOUT_S)
+        except Exception:  # a slow store must not hang the page: show what memory holds
+            jobs, backlog = {}, self._runner.backlog.admitting_s
+        info = self._engines.engine.info
+        return ServiceStatus(
+            ready=self.ready, model=PurePath(info.model).name, device=info.device,
+            workers=self._engines.workers, backlog_s=round(backlog, 1),
+            pending_windows=self._batcher.pending(), jobs=jobs, span_s=rates.span_s,
+            throughput=rates.throughput, rtf=rates.rtf, batch_size=rates.batch_size)
+
+    async def metrics_text(self) -> bytes:
+        """The store's gauges (jobs by status, the backlog) bounded by a timeout, keeping the
+        maintenance loop's last values when the store is slow; then the point-in-time gauges
+        (cheap: NVML or /proc, no locks)."""
+        try:
+            await asyncio.wait_for(self._runner.refresh_gauges(), STORE_TIMEOUT_S)
+        except Exception as exc:  # slow or closed store: serve the maintenance loop's last values
+            log.warning("metrics: store gauges not refreshed (%s)", type(exc).__name__)
+        m = self.metrics
+        m.pending_windows.set(self._batcher.pending())
+        m.engine_call_age.set(self._batcher.oldest_call_s())
+        m.record_memory(self._monitor.read())
+        for engine in self._engines.status():
+            m.engine_up.labels(engine["engine"]).set(1 if engine["in_rotation"] else 0)
+        return generate_latest(m.registry)

@@ -1,0 +1,177 @@
+"""The one door between HTTP and the core: everything a router asks of the service.
+
+Routers (``app/api``) import this module, ``app.jobs.events``' stream types through it, and the
+API types (``app/results``, ``app/api/schemas.py``): nothing else of ``app/jobs``, and nothing
+of the pipeline behind it (an import-linter contract in pyproject.toml keeps it so). The shape
+is text-embeddings-inference's ``Infer`` and vLLM's ``EngineClient``: one small interface,
+implemented by the core (:class:`app.jobs.core.Core`), that a test can replace with a fake.
+
+What crosses it are plain values, not the core's objects: an :class:`Upload` goes in (handed
+over once: from the call on, the core owns its file whatever happens, and removes it when the
+upload is refused or loses an idempotency race), a :class:`JobView` comes out (a job as its owner
+may see it, with this replica's live progress), and an event :class:`Subscription` per stream.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+from app.config import Settings
+from app.jobs.events import KEEPALIVE_S, EventFeed, Subscription
+from app.jobs.views import TERMINAL, JobView
+from app.metrics import Metrics
+from app.windows import JobOptions
+
+__all__ = ["KEEPALIVE_S", "TERMINAL", "Door", "EventFeed", "Health", "JobView", "Readiness",
+           "ServiceStatus", "Subscription", "Upload", "Writer"]
+
+# Copies the request's audio to the path the core gives, refusing more than the byte limit
+# (PayloadTooLarge); returns the bytes written. Blocking: the core runs it on a worker thread.
+Writer = Callable[[Path, int], int]
+
+
+@dataclass(frozen=True)
+class Upload:
+    """A request's audio and what to do with it: :meth:`Door.submit`'s one argument."""
+
+    options: JobOptions
+    owner: str | None  # the API key's tenant; None when keys are off
+    write: Writer | None = None  # the request's file; None: ``audio_url``
+    filename: str | None = None  # the client's name for the file (display only)
+    audio_url: str | None = None  # fetched by the service instead of a file
+    callback_url: str | None = None  # webhooks: POSTed the job's summary when it ends
+    idempotency_key: str | None = None  # the request's Idempotency-Key, parsed
+    check: Callable[[float], None] | None = None  # may refuse the probed duration (raises)
+
+
+@dataclass(frozen=True)
+class Health:
+    """Liveness: ``ok``, ``engine_stalled`` (a call running past ``batcher.stall_after_s``) or
+    ``engine_failing`` (the engines keep failing), with what the answer shows of it."""
+
+    status: str = "ok"
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class Readiness:
+    ready: bool
+    model: str
+    device: str
+    compute_type: str
+    engines: list[dict[str, Any]]
+    sizing: dict[str, Any] | None
+
+
+@dataclass(frozen=True)
+class ServiceStatus:
+    """GET /status's numbers (see app/api/health.py for what each means)."""
+
+    ready: bool
+    model: str
+    device: str
+    workers: int
+    backlog_s: float
+    pending_windows: int
+    jobs: dict[str, int]
+    span_s: float
+    throughput: float | None
+    rtf: float | None
+    batch_size: float | None
+
+
+class Door(Protocol):
+    """What HTTP may ask of the core. Reads take the caller's tenant (``owner``): another
+    tenant's job is not found, so ids never leak across API keys."""
+
+    settings: Settings
+    metrics: Metrics  # the HTTP middleware counts requests into it
+
+    @property
+    def ready(self) -> bool:
+        """The model is loaded and warm, and the service is not draining."""
+        ...
+
+    @property
+    def stopped(self) -> bool:
+        """The drain has finished: nothing more ends in this process."""
+        ...
+
+    # ---- taking work ---------------------------------------------------------------------------
+    def check_speakers(self) -> None:
+        """400 when diarization is off here, 503 while its models cannot load."""
+        ...
+
+    async def gate(self, owner: str | None) -> None:
+        """429 before an upload's body is read, when the backlog (or the key's share) is
+        already full; may answer from a backlog reading up to half a second old."""
+        ...
+
+    async def submit(self, upload: Upload) -> str:
+        """Spool (or fetch) the audio, probe it, admit it (429 past the backlog bounds) and
+        commit its job: the new job's id, or the first job's made under the same
+        Idempotency-Key."""
+        ...
+
+    async def replay(self, owner: str | None, key: str) -> JobView | None:
+        """The caller's job made under Idempotency-Key ``key`` within the window, if any."""
+        ...
+
+    # ---- jobs ----------------------------------------------------------------------------------
+    async def get(self, job_id: str, owner: str | None) -> JobView | None: ...
+
+    async def jobs(self, owner: str | None, limit: int) -> list[JobView]:
+        """The caller's newest jobs."""
+        ...
+
+    async def some(self, ids: list[str], owner: str | None) -> list[JobView]:
+        """These of the caller's jobs that exist, in any order."""
+        ...
+
+    async def cancel(self, job_id: str, owner: str | None) -> JobView | None:
+        """Cancel a queued or running job (idempotent): the job as it stands then."""
+        ...
+
+    async def wait(self, job_id: str, timeout_s: float) -> None:
+        """Until the job ends (here, or on another replica: the store is re-read every
+        ``app.jobs.runner.RECHECK_S``), the service stops, or ``timeout_s`` passes."""
+        ...
+
+    def events(self, job_id: str, owner: str | None) -> Subscription:
+        """A progress stream on the job (429 past ``limits.max_event_streams_per_key``)."""
+        ...
+
+    def watch(self, job_id: str) -> AbstractContextManager[asyncio.Event]:
+        """An event set whenever the job changes on this replica; clear it before reading."""
+        ...
+
+    def finished_texts(self, job_id: str, start: int) -> list[str] | None:
+        """Texts of windows ``start``, ``start + 1``, ... up to the first unfinished one; None
+        when the job is not running here."""
+        ...
+
+    # ---- the service ---------------------------------------------------------------------------
+    async def backlog_s(self, max_age_s: float = 0.0) -> float:
+        """Accepted audio not yet transcribed (an answer up to ``max_age_s`` old may do)."""
+        ...
+
+    def speed(self) -> float:
+        """Audio seconds transcribed per wall second now."""
+        ...
+
+    def model_name(self) -> str: ...
+
+    def health(self) -> Health: ...
+
+    def readiness(self) -> Readiness: ...
+
+    async def status(self) -> ServiceStatus: ...
+
+    async def metrics_text(self) -> bytes:
+        """Prometheus' text exposition, its point-in-time gauges refreshed."""
+        ...
