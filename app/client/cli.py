@@ -1,11 +1,16 @@
-"""``batchscribe``: the command-line client of a running service.
+"""``batchscribe``: the command-line client of a running service (``--ray``: of Ray, no service).
 
     batchscribe transcribe talk.mp3 interview.wav --format srt -o subs/
     batchscribe dataset train.jsonl -o train.pred.jsonl --server http://a:8000 --server http://b:8000
     batchscribe dataset train.jsonl -o train.pred.jsonl --resume      # after an interruption
+    batchscribe dataset train.jsonl -o train.pred.jsonl --ray         # no service: Ray actors
 
 Exit status: 0 every file done; 1 some failed (or the time-out came first); 2 bad usage, a bad
 manifest or checkpoint, or a refused API key; 130 interrupted (dataset: resume with --resume).
+
+This package speaks HTTP and never imports the service's insides (pyproject's import-linter
+contract "client"): ``--ray`` runs the pipeline in this process, so its runner is handed in by
+the console script, app/cli.py, which imports it (app/dataset/run.py) only when asked.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import asyncio
 import os
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import httpx
@@ -28,6 +34,7 @@ from app.client.progress import Progress, render, summary, write_summary
 from app.client.rows import Extras
 
 DEFAULT_URL = os.environ.get("BATCHSCRIBE_URL", "http://127.0.0.1:8000")
+RayRunner = Callable[[argparse.Namespace], int]  # ``dataset --ray``: app.dataset.run.run_ray
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -70,6 +77,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     d.add_argument("--uploads", type=int, default=4, help="concurrent uploads per server")
     d.add_argument("--log-every", type=float, default=30.0,
                    help="without a terminal: a progress line every this many seconds (0: none)")
+    r = d.add_argument_group("Ray (no service: the model in Ray actors, app/dataset; needs "
+                             "`pip install 'batchscribe[ray]'`)")
+    r.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS",
+                   help="run through Ray Data instead of --server: a local Ray without ADDRESS, "
+                   "else ray.init's address (auto, ray://head:10001)")
+    r.add_argument("--actors", type=int, default=None,
+                   help="with --ray: actors (default: one per GPU, else one per node)")
+    r.add_argument("--batch-rows", type=int, default=None,
+                   help="with --ray: rows per batch and per part file (default: 16 CPU, 32 GPU)")
     return p.parse_args(argv)
 
 
@@ -141,7 +157,8 @@ def run_dataset(args: argparse.Namespace, transport: httpx.AsyncBaseTransport | 
     return 0 if complete and not state.failed else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, ray: RayRunner | None = None) -> int:
+    """Run the command line ``argv``; ``ray`` runs ``dataset --ray`` (None: refused, exit 2)."""
     args = parse_args(argv)
     if args.command == "transcribe":
         args.server = servers(args)[0]
@@ -151,6 +168,10 @@ def main(argv: list[str] | None = None) -> int:
             print("interrupted", file=sys.stderr)
             return 130
     try:
+        if args.ray is not None:
+            if ray is None:
+                raise Fatal("--ray runs through the batchscribe command (app/cli.py)")
+            return ray(args)
         return run_dataset(args)
     except (ManifestError, CheckpointError, Fatal) as exc:
         print(f"error: {exc}", file=sys.stderr)
