@@ -131,6 +131,24 @@ class SecuritySettings(BaseModel):
         "for any). Not used when keys are configured: a page cannot send the key.",
     )
 
+    allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, max_length=1000,
+        description="Web origins (scheme://host[:port], comma-separated or a JSON list) whose "
+        "pages may send state-changing requests (POST, DELETE, the realtime socket) to this "
+        "service, e.g. a front end on another port. Every other cross-site request a browser "
+        "marks (Origin, Sec-Fetch-Site) is refused with 403; clients that send no Origin (curl, "
+        "the SDKs) and the service's own page are served.",
+    )
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _origins(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = json.loads(v) if v.strip().startswith("[") else v.split(",")
+        if isinstance(v, list):
+            v = [str(o).strip().lower().rstrip("/") for o in v if str(o).strip()]
+        return v
+
     @field_validator("api_key_sha256", mode="before")
     @classmethod
     def _split(cls, v: Any) -> Any:
