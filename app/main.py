@@ -199,7 +199,9 @@ def create_app(settings: Settings | None = None,
 
 
 # Starlette's parser allows 1000 file parts and 1000 fields per form by default: each part a
-# temporary file and a parse. Every route takes one file and a handful of fields.
+# temporary file and a parse. Every route takes one file and a handful of fields. FastAPI has
+# form_limits from 0.165.0 (the floor in pyproject.toml): releases before 0.145 took unknown
+# keywords silently (the caps did not hold), 0.145-0.164 refuse them.
 FORM_LIMITS: Any = {"max_files": 1, "max_fields": 32, "max_part_size": 64 * 1024}
 
 

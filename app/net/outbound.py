@@ -50,9 +50,11 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 # Instance metadata services: AWS/GCP/Azure/OpenStack (and AWS's IPv6 one), Alibaba, Azure's
-# wireserver (a public address!), Oracle. Refused even with allow_private.
+# wireserver (a public address!), Oracle; AWS ECS/EKS task credentials (169.254.170.2, and
+# 169.254.170.23 for EKS Pod Identity). Refused even with allow_private.
 METADATA = frozenset(ipaddress.ip_address(a) for a in (
-    "169.254.169.254", "fd00:ec2::254", "100.100.100.200", "168.63.129.16", "192.0.0.192"))
+    "169.254.169.254", "fd00:ec2::254", "100.100.100.200", "168.63.129.16", "192.0.0.192",
+    "169.254.170.2", "169.254.170.23"))
 NAT64 = ipaddress.ip_network("64:ff9b::/96")
 RESOLVE_TIMEOUT_S = 5.0
 USER_AGENT = "batchscribe/1"
