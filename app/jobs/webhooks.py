@@ -189,7 +189,7 @@ class WebhookDispatcher:
             if exc.category == "busy":  # the host's share of slots is taken: not an attempt
                 await self._record(row.id, {}, BUSY_RETRY_S)
                 return
-            error = exc.category
+            error = exc.public  # never a port's state: app/net/outbound.py
             log.info("webhook attempt failed", extra={"job_id": row.id, "attempt": attempt,
                                                       "error": exc.category, "detail": exc.detail})
         values: dict[str, Any] = {"webhook_attempts": attempt, "webhook_last_error": error}

@@ -132,9 +132,9 @@ async def fetch_http(settings: Settings, guard: OutboundGuard, url: str, dest: P
             raise Overloaded("too many downloads from this host are in flight; retry shortly",
                              headers={"Retry-After": "2"}, field="audio_url") from None
         if exc.category in ("refused", "invalid_url"):
-            raise BadRequest(f"audio_url could not be fetched ({exc.category})",
+            raise BadRequest(f"audio_url could not be fetched ({exc.public})",
                              field="audio_url") from None
-        raise FetchFailed(f"audio_url could not be fetched ({exc.category})",
+        raise FetchFailed(f"audio_url could not be fetched ({exc.public})",
                           field="audio_url") from None
     finally:
         await asyncio.to_thread(sink.close, ok)
@@ -168,7 +168,7 @@ def fetch_s3(settings: Settings, url: str, dest: Path) -> Fetched:
             for chunk in body.iter_chunks(WRITE_BLOCK):
                 sink.write(chunk)
                 if time.monotonic() > deadline:
-                    raise FetchFailed("audio_url could not be fetched (timeout)", field="audio_url")
+                    raise FetchFailed("audio_url could not be fetched (unreachable)", field="audio_url")
         ok = True
     except ClientError as exc:
         code = str(exc.response.get("Error", {}).get("Code", ""))
@@ -177,7 +177,7 @@ def fetch_s3(settings: Settings, url: str, dest: Path) -> Fetched:
                              field="audio_url") from None
         raise FetchFailed("audio_url could not be fetched (s3_error)", field="audio_url") from None
     except BotoCoreError:
-        raise FetchFailed("audio_url could not be fetched (connect_failed)",
+        raise FetchFailed("audio_url could not be fetched (unreachable)",
                           field="audio_url") from None
     finally:
         sink.close(ok)

@@ -90,12 +90,28 @@ class Refused(Exception):
 
 
 class OutboundError(Exception):
-    """A failed outbound request; ``category`` is all a client is told."""
+    """A failed outbound request: ``category`` for the log and the code, :attr:`public` (all
+    a client is told), ``detail`` for the log only."""
 
     def __init__(self, category: str, detail: str = "") -> None:
         super().__init__(f"{category}: {detail}" if detail else category)
         self.category = category
         self.detail = detail
+
+    @property
+    def public(self) -> str:
+        return public_category(self.category)
+
+
+# What a client may learn of a failed request: the guard refused it, the URL is unusable, the
+# slots are busy, or the destination could not be reached. A closed port (connect_failed), an
+# open one that speaks no HTTP (protocol_error, tls_failed) and one that never answers
+# (timeout) all read "unreachable": the categories must not scan ports for a client.
+PUBLIC_CATEGORIES = frozenset({"refused", "invalid_url", "busy"})
+
+
+def public_category(category: str) -> str:
+    return category if category in PUBLIC_CATEGORIES else "unreachable"
 
 
 @dataclass(frozen=True)
