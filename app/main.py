@@ -18,6 +18,7 @@ from typing import Any, cast
 from fastapi import FastAPI
 
 from app.api import asr, events, health, jobs, openai, transcribe, web
+from app.api import webhooks as hooks
 from app.api.json_form import describe_json_bodies
 from app.api.middleware import install_middleware
 from app.audio.vad import make_vad
@@ -192,6 +193,7 @@ def create_app(settings: Settings | None = None,
     app.include_router(events.router)
     app.include_router(openai.router)
     app.include_router(asr.router)  # whisper-asr-webservice's API (Bazarr)
+    app.include_router(hooks.router)  # each key's webhook secret
     app.include_router(web.router)  # the page at /
     install_middleware(app, settings)  # the whole stack, in order: app/api/middleware
     describe_json_bodies(app)  # after the API key check's own change to the OpenAPI spec

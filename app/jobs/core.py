@@ -30,6 +30,7 @@ from app.jobs.runner import JobRunner
 from app.jobs.speed import Speed, Speedometer
 from app.jobs.store import JobRow, JobStore
 from app.jobs.views import JobView
+from app.jobs.webhooks import key_secret
 from app.metrics import Metrics
 from app.net.outbound import OutboundGuard
 
@@ -78,6 +79,10 @@ class Core:
 
     async def submit(self, upload: Upload) -> str:
         return await self._intake.submit(upload)
+
+    def webhook_secret(self, owner: str | None) -> str | None:
+        hooks = self.settings.webhooks
+        return key_secret(hooks.secret.get_secret_value(), owner) if hooks.enabled else None
 
     async def replay(self, owner: str | None, key: str) -> JobView | None:
         row = await self._intake.find(owner, key)

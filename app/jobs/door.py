@@ -118,6 +118,11 @@ class Door(Protocol):
         Idempotency-Key."""
         ...
 
+    def webhook_secret(self, owner: str | None) -> str | None:
+        """The secret that signs this API key's webhook deliveries; None when webhooks are
+        off."""
+        ...
+
     async def replay(self, owner: str | None, key: str) -> JobView | None:
         """The caller's job made under Idempotency-Key ``key`` within the window, if any."""
         ...
