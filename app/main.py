@@ -17,7 +17,7 @@ from typing import Any, cast
 
 from fastapi import FastAPI
 
-from app.api import asr, events, health, jobs, openai, transcribe, web
+from app.api import asr, docs, events, health, jobs, openai, transcribe, web
 from app.api import webhooks as hooks
 from app.api.json_form import describe_json_bodies
 from app.api.middleware import install_middleware
@@ -185,7 +185,8 @@ def create_app(settings: Settings | None = None,
             log.info("stopped")
 
     app = FastAPI(title="batchscribe", version="0.1.0", lifespan=lifespan,
-                  description="Batched Whisper transcription service.", form_limits=FORM_LIMITS)
+                  description="Batched Whisper transcription service.", form_limits=FORM_LIMITS,
+                  docs_url=None, redoc_url=None, swagger_ui_oauth2_redirect_url=None)
     install_error_handlers(app)
     app.include_router(transcribe.router)
     app.include_router(jobs.router)
@@ -195,6 +196,7 @@ def create_app(settings: Settings | None = None,
     app.include_router(asr.router)  # whisper-asr-webservice's API (Bazarr)
     app.include_router(hooks.router)  # each key's webhook secret
     app.include_router(web.router)  # the page at /
+    app.include_router(docs.router)  # /docs: Swagger UI from the service, no CDN
     install_middleware(app, settings)  # the whole stack, in order: app/api/middleware
     describe_json_bodies(app)  # after the API key check's own change to the OpenAPI spec
     return app

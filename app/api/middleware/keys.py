@@ -45,7 +45,7 @@ log = logging.getLogger(__name__)
 OWNER_CHARS = 16  # 64 bits of the digest: unique among any realistic number of keys
 REALM = "batchscribe"
 # The API description is public on purpose (it holds no data), so clients and tools can read it.
-DOC_PATHS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+DOC_PATHS = frozenset({"/openapi.json", "/docs"})  # its assets: PAGE_PATHS
 HEALTH_PATHS = frozenset({"/healthz", "/readyz"})
 METRICS_PATHS = frozenset({"/metrics"})
 
