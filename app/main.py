@@ -176,6 +176,7 @@ def create_app(settings: Settings | None = None,
             yield
         finally:
             await drain()
+            await core.stop_fetches()  # downloads in flight: their jobs fail (submit again)
             await speakers.stop()  # after the drain: no job feeds a speaker stream any more
             if webhooks is not None:
                 await webhooks.stop()

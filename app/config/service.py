@@ -98,6 +98,13 @@ class LimitSettings(BaseModel):
         1000, ge=1, le=1_000_000,
         description="Queued + running jobs one API key may hold (429; only with API keys)."
     )
+    max_transfers_per_key: int = Field(
+        16, ge=1, le=100_000,
+        description="Uploads being received and audio_url downloads running at once per API key "
+        "(without keys, for all callers together): past it, 429 before a body byte is read. "
+        "Each also counts as a job of at least min_job_s in the key's share, so a key cannot "
+        "hold every connection or outbound slot with transfers that trickle.",
+    )
     max_event_streams_per_key: int = Field(
         16, ge=1, le=10_000,
         description="Open GET /jobs/{id}/events streams per API key (429 past it; without keys, "

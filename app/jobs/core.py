@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import PurePath
 from typing import Any
 
@@ -25,10 +26,12 @@ from app.errors import DiarizationOff
 from app.jobs.admission import Admission
 from app.jobs.door import Health, Readiness, ServiceStatus, Upload
 from app.jobs.events import EventHub, Subscription
+from app.jobs.fetching import Fetches
 from app.jobs.intake import Intake
 from app.jobs.runner import JobRunner
 from app.jobs.speed import Speed, Speedometer
 from app.jobs.store import JobRow, JobStore
+from app.jobs.transfers import Hold
 from app.jobs.views import JobView
 from app.jobs.webhooks import key_secret
 from app.metrics import Metrics
@@ -57,8 +60,10 @@ class Core:
         self._meter = Speedometer(metrics)
         self._admission = Admission(settings, store, runner.backlog, metrics,
                                     self._speed.retry_after_s)
+        self._fetches = Fetches(settings, outbound, self._admission, runner.fetched,
+                                runner.fail_unqueued)
         self._intake = Intake(settings, store, runner.blobs, outbound, self._admission,
-                              runner.submit)
+                              runner.submit, self._fetches)
         self._hub = EventHub(settings.limits.max_event_streams_per_key, self._read,
                              runner.watch, lambda: runner.stopped)
 
@@ -84,13 +89,22 @@ class Core:
         hooks = self.settings.webhooks
         return key_secret(hooks.secret.get_secret_value(), owner) if hooks.enabled else None
 
+    def transfer(self, owner: str | None) -> Hold:
+        return self._admission.transfers.acquire(owner)
+
+    async def stop_fetches(self) -> None:
+        await self._fetches.stop()
+
     async def replay(self, owner: str | None, key: str) -> JobView | None:
         row = await self._intake.find(owner, key)
         return self._view(row) if row is not None else None
 
     # ---- jobs ----------------------------------------------------------------------------------
     def _view(self, row: JobRow) -> JobView:
-        return JobView.of(row, self._runner.progress(row.id))
+        view = JobView.of(row, self._runner.progress(row.id))
+        if row.status == "fetching":
+            return replace(view, fetched_bytes=self._fetches.received(row.id))
+        return view
 
     async def _read(self, job_id: str) -> JobView | None:
         row = await self._store.get(job_id)
@@ -116,6 +130,7 @@ class Core:
         if row is None:
             return None
         await self._runner.cancel(row)
+        self._fetches.cancel(job_id)  # a download still running stops here
         return await self.get(job_id, owner)
 
     async def wait(self, job_id: str, timeout_s: float) -> None:

@@ -23,11 +23,12 @@ from typing import Any, Protocol
 
 from app.config import Settings
 from app.jobs.events import KEEPALIVE_S, EventFeed, Subscription
+from app.jobs.transfers import Hold
 from app.jobs.views import TERMINAL, JobView
 from app.metrics import Metrics
 from app.windows import JobOptions
 
-__all__ = ["KEEPALIVE_S", "TERMINAL", "Door", "EventFeed", "Health", "JobView", "Readiness",
+__all__ = ["KEEPALIVE_S", "TERMINAL", "Door", "EventFeed", "Health", "Hold", "JobView", "Readiness",
            "ServiceStatus", "Subscription", "Upload", "Writer"]
 
 # Copies the request's audio to the path the core gives, refusing more than the byte limit
@@ -121,6 +122,11 @@ class Door(Protocol):
     def webhook_secret(self, owner: str | None) -> str | None:
         """The secret that signs this API key's webhook deliveries; None when webhooks are
         off."""
+        ...
+
+    def transfer(self, owner: str | None) -> Hold:
+        """One upload or download in flight for this key (429 past
+        ``limits.max_transfers_per_key``); release the hold when its body is in."""
         ...
 
     async def replay(self, owner: str | None, key: str) -> JobView | None:

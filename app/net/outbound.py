@@ -185,6 +185,9 @@ class OutboundGuard:
         pool = httpcore.AsyncConnectionPool(
             ssl_context=ssl_context or httpx.create_ssl_context(),
             max_keepalive_connections=0,  # a connection per request: nothing lingers in a pool
+            # The slots below cap requests; httpcore's own default (10 connections) made every
+            # 11th request wait for one of ten slow ones, whatever tenant it was for.
+            max_connections=settings.max_in_flight,
             network_backend=_GuardedBackend(self),
         )
         transport = httpx.AsyncHTTPTransport(trust_env=False)
