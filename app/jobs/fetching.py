@@ -66,13 +66,8 @@ class Fetches:
         the job records it, and the transfer's hold."""
         assert up.audio_url is not None
         url = await check_audio_url(self.settings, self._outbound, up.audio_url)
-        hold = self._admission.transfers.acquire(up.owner)
-        try:
-            await self._admission.gate(up.owner)  # the key's share, transfers included
-        except BaseException:
-            hold.release()
-            raise
-        return url, hold
+        await self._admission.gate(up.owner)  # the key's share, its transfers included
+        return url, self._admission.transfers.acquire(up.owner)
 
     @staticmethod
     def options_of(up: Upload, url: str) -> tuple[Any, str | None]:

@@ -262,7 +262,7 @@ class JobRunner:
     async def refresh_gauges(self) -> None:
         """Jobs by status and the backlog, from the store: on every scrape and in maintenance."""
         counts = await self.store.counts()
-        for status in ("queued", "running", *TERMINAL):
+        for status in ("fetching", "queued", "running", *TERMINAL):
             self.metrics.jobs.labels(status).set(counts.get(status, 0))
         self.metrics.backlog.set(await self.backlog.seconds())
 

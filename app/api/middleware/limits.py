@@ -123,18 +123,13 @@ class BacklogGate:
             return
         owner = scope.get("state", {}).get("owner")  # set by the API key check
         try:
+            if scope["path"] in GATED_PATHS:
+                await door.gate(owner)  # the key's share, its transfers included
             hold = door.transfer(owner)
         except Overloaded as exc:
             await send_error(send, exc, scope["path"], close=True)
             return
         try:
-            if scope["path"] in GATED_PATHS:
-                try:
-                    await door.gate(owner)
-                except Overloaded as exc:
-                    await send_error(send, exc, scope["path"], close=True)
-                    return
-
             async def receiving() -> Message:
                 message = await receive()
                 if message["type"] != "http.request" or not message.get("more_body", False):
