@@ -151,19 +151,36 @@ def status_of(error_type: str) -> int:
 # An absolute filesystem path (two segments or more) not inside a URL: FFmpeg's messages name
 # the file they failed on, and that is the server's spool path.
 _PATH = re.compile(r"(?<![\w:/.~-])/(?:[^\s/'\"]+/)+[^\s/'\",;)]*")
+# An IPv4 address (with its port), or a bracketed IPv6 one: where the service connects.
+_ADDRESS = re.compile(r"\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?\b|\[[0-9a-fA-F:.]+\](?::\d+)?")
 INTERNAL_MESSAGE = "internal error; see the server log"
+# Failures of the engines and the speaker models: their exception's text never reaches a client
+# (it names devices, paths, data); rows stored before it was kept out lose it here, at the
+# first ": " after the service's own words. Their ``cause`` is shown only when it is one of ours.
+ENGINE_FAILURES = frozenset({"transcription_failed", "diarization_failed"})
+PUBLIC_CAUSES = frozenset({"out_of_memory", "engine_error", "too_many_attempts"})
 
 
 def public_error(error: dict[str, Any] | None) -> dict[str, Any] | None:
-    """A stored job error as clients may see it: no server paths, no exception text. An
-    unexpected failure says only that it happened; the log has the rest."""
+    """A stored job error as clients may see it, the one renderer of job errors on every route
+    (GET /jobs, ?wait=true, /v1 and its stream, /asr, /detect-language, events, webhooks): no
+    exception text, no server path, no address. An unexpected failure says only that it
+    happened; the log has the rest."""
     if not error:
         return error
     out = dict(error)
-    if out.get("type") in (None, "internal_error"):
+    kind = out.get("type")
+    if kind in (None, "internal_error"):
         return {"type": "internal_error", "message": INTERNAL_MESSAGE}
-    if isinstance(out.get("message"), str):
-        out["message"] = _PATH.sub("<file>", out["message"])
+    message = out.get("message")
+    if not isinstance(message, str):
+        message = str(kind)
+    if kind in ENGINE_FAILURES:
+        if out.get("cause") != "too_many_attempts":  # that message is the service's own
+            message = message.split(": ", 1)[0]
+        if out.get("cause") not in PUBLIC_CAUSES:
+            out.pop("cause", None)
+    out["message"] = _ADDRESS.sub("<address>", _PATH.sub("<file>", message))
     return out
 
 

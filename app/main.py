@@ -17,7 +17,8 @@ from typing import Any, cast
 
 from fastapi import FastAPI
 
-from app.api import asr, events, health, jobs, openai, realtime, transcribe, web
+from app.api import asr, docs, events, health, jobs, openai, realtime, transcribe, web
+from app.api import webhooks as hooks
 from app.api.json_form import describe_json_bodies
 from app.api.middleware import install_middleware
 from app.audio.vad import make_vad
@@ -175,6 +176,7 @@ def create_app(settings: Settings | None = None,
             yield
         finally:
             await drain()
+            await core.stop_fetches()  # downloads in flight: their jobs fail (submit again)
             await speakers.stop()  # after the drain: no job feeds a speaker stream any more
             if webhooks is not None:
                 await webhooks.stop()
@@ -185,7 +187,8 @@ def create_app(settings: Settings | None = None,
             log.info("stopped")
 
     app = FastAPI(title="batchscribe", version="0.1.0", lifespan=lifespan,
-                  description="Batched Whisper transcription service.", form_limits=FORM_LIMITS)
+                  description="Batched Whisper transcription service.", form_limits=FORM_LIMITS,
+                  docs_url=None, redoc_url=None, swagger_ui_oauth2_redirect_url=None)
     install_error_handlers(app)
     app.include_router(transcribe.router)
     app.include_router(jobs.router)
@@ -194,14 +197,18 @@ def create_app(settings: Settings | None = None,
     app.include_router(realtime.router)  # live transcription (before /v1's catch-all 404)
     app.include_router(openai.router)
     app.include_router(asr.router)  # whisper-asr-webservice's API (Bazarr)
+    app.include_router(hooks.router)  # each key's webhook secret
     app.include_router(web.router)  # the page at /
+    app.include_router(docs.router)  # /docs: Swagger UI from the service, no CDN
     install_middleware(app, settings)  # the whole stack, in order: app/api/middleware
     describe_json_bodies(app)  # after the API key check's own change to the OpenAPI spec
     return app
 
 
 # Starlette's parser allows 1000 file parts and 1000 fields per form by default: each part a
-# temporary file and a parse. Every route takes one file and a handful of fields.
+# temporary file and a parse. Every route takes one file and a handful of fields. FastAPI has
+# form_limits from 0.165.0 (the floor in pyproject.toml): releases before 0.145 took unknown
+# keywords silently (the caps did not hold), 0.145-0.164 refuse them.
 FORM_LIMITS: Any = {"max_files": 1, "max_fields": 32, "max_part_size": 64 * 1024}
 
 

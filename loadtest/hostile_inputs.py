@@ -113,7 +113,8 @@ def lying_flac(seconds: float = 300.0) -> bytes:
 
 def lying_mkv(samples: np.ndarray, claimed_s: float) -> bytes:
     """16 kHz mono PCM in Matroska whose Segment Info Duration is overwritten with
-    ``claimed_s``: admitted at the header's length, it must be counted at the decoded one."""
+    ``claimed_s``: its size gives the lie away, so it is admitted at its timed length (and counted
+    at the decoded one whatever happens)."""
     pcm = (np.clip(samples.reshape(-1), -1, 1) * 32767).astype(np.int16)[None]
     buf = io.BytesIO()
     with av.open(buf, "w", format="matroska") as c:

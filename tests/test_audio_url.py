@@ -171,14 +171,17 @@ def test_audio_url_on_a_private_address_is_refused(fetching: Server, short_clip:
 
 
 def test_audio_url_limits_apply_while_it_streams(fetching: Server, files: Files) -> None:
-    r = post(fetching, KEY_A, json={"audio_url": files.url("/endless")}, timeout=60)
-    assert r.status_code == 413, r.text
+    """The job is answered at once (the download is part of it) and fails with the error an
+    upload would have got."""
+    r = post(fetching, KEY_A, json={"audio_url": files.url("/endless")}, wait=True, timeout=60)
+    assert r.json()["status"] == "failed", r.text
+    assert r.json()["error"]["type"] == "payload_too_large"
     assert r.json()["error"]["limit_bytes"] == MAX_UPLOAD
     # Cut off at the limit: the endless stream ended, a little after the limit.
     assert wait_for(lambda: "/endless" in files.cut), files.sent
     assert files.sent["/endless"] < MAX_UPLOAD + (2 << 20), files.sent
-    r = post(fetching, KEY_A, json={"audio_url": files.url("/long.flac")}, timeout=60)
-    assert r.status_code == 413, r.text
+    r = post(fetching, KEY_A, json={"audio_url": files.url("/long.flac")}, wait=True, timeout=60)
+    assert r.json()["status"] == "failed", r.text
     err = r.json()["error"]
     assert err["limit_s"] == MAX_AUDIO_S and err["duration_s"] == pytest.approx(7200.0)
     # The header said 2 h: stopped once the first MiB was probed, before the file's end.

@@ -179,6 +179,12 @@ def test_s3_audio_url(on_s3: Server, s3_endpoint: str, clips: list[Clip]) -> Non
         # Not listed, the blob store's own uploads (other tenants' audio), or missing: all 400,
         # and "missing" reads like "not yours".
         for url in ("s3://media/private/talk.flac", "s3://blobs/up/someone-elses-upload",
-                    "s3://other-bucket/x.flac", "s3://media/clips/missing.flac", "s3://media", "s3://", "s3:///x"):
+                    "s3://other-bucket/x.flac", "s3://media", "s3://", "s3:///x"):
             r = c.post("/transcribe", json={"audio_url": url})
             assert r.status_code == 400 and r.json()["error"]["field"] == "audio_url", (url, r.text)
+        # A listed bucket's missing object: found when the job's download runs (answered at once).
+        r = c.post("/transcribe", params={"wait": "true"},
+                   json={"audio_url": "s3://media/clips/missing.flac"})
+        err = r.json()["error"]
+        assert r.json()["status"] == "failed" and err["field"] == "audio_url", r.text
+        assert err["type"] == "bad_request" and "no such object" in err["message"]

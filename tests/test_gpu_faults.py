@@ -94,7 +94,7 @@ async def test_an_invalid_device_error_on_the_only_gpu_fails_its_windows_not_the
     gpu.devices[0].fault = INVALID_DEVICE_TEXT
     results, batcher, pool, metrics = await run_on_fake_gpus(gpu, windows=8)
     assert all(isinstance(r, TranscriptionFailed) for r in results), results
-    assert {r.details["cause"] for r in results} == {"RuntimeError"}  # not "out_of_memory"
+    assert {r.details["cause"] for r in results} == {"engine_error"}  # not "out_of_memory"
     assert metrics.oom_events._value.get() == 0 and batcher._cap.value == 4
     assert metrics.batches.labels("error")._value.get() > 0
     assert INVALID_DEVICE_TEXT in (pool.unhealthy() or "")  # calls keep failing: restart it

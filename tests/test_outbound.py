@@ -83,7 +83,8 @@ def guard(resolver: Callable[[str, int], Awaitable[list[str]]] | None = None,
 
 @pytest.mark.parametrize("address,problem", [
     ("169.254.169.254", "metadata"), ("fd00:ec2::254", "metadata"), ("168.63.129.16", "metadata"),
-    ("100.100.100.200", "metadata"), ("127.0.0.1", "loopback"), ("::1", "ipv4_compatible"),
+    ("100.100.100.200", "metadata"), ("169.254.170.2", "metadata"),
+    ("169.254.170.23", "metadata"), ("127.0.0.1", "loopback"), ("::1", "ipv4_compatible"),
     ("10.0.0.1", "private"), ("172.16.5.4", "private"), ("192.168.1.1", "private"),
     ("100.64.0.1", "private"), ("169.254.1.1", "private"), ("fe80::1", "private"),
     ("fd12:3456::1", "private"), ("fec0::1", "private"), ("0.0.0.0", "private"),
@@ -138,8 +139,9 @@ async def test_allowed_hosts_and_allow_private() -> None:
         await meta.check_url("http://hooks.internal/h", "f")
     private = guard(stub(["10.9.8.7"]), allow_private=True)
     assert await private.check_url("http://anything.internal/h", "f")
-    with pytest.raises(BadRequest):
-        await private.check_url("http://169.254.169.254/", "f")
+    for meta_ip in ("169.254.169.254", "169.254.170.2", "169.254.170.23"):  # ECS/EKS credentials
+        with pytest.raises(BadRequest):
+            await private.check_url(f"http://{meta_ip}/", "f")
 
 
 async def test_dns_rebinding_is_refused_where_the_connection_is_made() -> None:

@@ -26,7 +26,7 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from app.errors import openai_body
+from app.errors import openai_body, public_error
 from app.jobs.door import Door, JobView
 
 log = logging.getLogger(__name__)
@@ -105,7 +105,7 @@ def _end(row: JobView | None, job_id: str, sent: str, logprobs: bool = False) ->
     if row is None:
         return [event(openai_body(404, f"job {job_id} no longer exists", code="not_found"))]
     if row.status == "failed":
-        err = row.error or {}
+        err = public_error(row.error) or {}
         return [event(openai_body(500, str(err.get("message", "transcription failed")),
                                   code=str(err.get("type", "transcription_failed"))))]
     if row.status != "done" or row.result is None:

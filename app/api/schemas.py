@@ -10,7 +10,7 @@ from app.errors import public_error
 from app.jobs.door import JobView
 from app.results.shapes import Transcription, absent
 
-JobStatus = Literal["queued", "running", "done", "failed", "cancelled"]
+JobStatus = Literal["fetching", "queued", "running", "done", "failed", "cancelled"]
 
 
 class WebhookState(BaseModel):
@@ -27,6 +27,8 @@ class WebhookState(BaseModel):
 class Progress(BaseModel):
     windows_done: int
     windows_total: int | None = Field(None, description="Known once the upload is decoded.")
+    fetched_bytes: int | None = Field(
+        None, exclude_if=absent, description="status fetching (an audio_url job): bytes downloaded so far.")
 
 
 class ErrorInfo(BaseModel):
@@ -75,7 +77,8 @@ def to_job(view: JobView, base: str = "") -> Job:
         status_url=f"{base}/jobs/{view.id}", result_url=f"{base}/jobs/{view.id}/result",
         filename=view.filename, options=view.options, created_at=view.created_at,
         started_at=view.started_at, finished_at=view.finished_at,
-        progress=Progress(windows_done=view.windows_done, windows_total=view.windows_total),
+        progress=Progress(windows_done=view.windows_done, windows_total=view.windows_total,
+                          fetched_bytes=view.fetched_bytes),
         audio_seconds=view.audio_seconds, queue_wait_s=view.queue_wait_s,
         processing_s=view.processing_s, diarization_s=view.diarization_s, rtf=rtf,
         result=Transcription.model_validate(view.result) if view.result else None,

@@ -12,7 +12,7 @@ import asyncio
 
 from fastapi import Request
 
-from app.errors import Conflict, ServiceError, TranscriptionFailed
+from app.errors import Conflict, ServiceError, TranscriptionFailed, public_error
 from app.jobs.door import Door, JobView
 
 
@@ -56,7 +56,7 @@ async def wait_for_job(request: Request, d: Door, job_id: str, owner: str | None
     if row.status == "done" and row.result is not None:
         return row
     if row.status == "failed":
-        err = row.error or {}
+        err = public_error(row.error) or {}
         raise TranscriptionFailed(str(err.get("message", "transcription failed")), job_id=job_id,
                                   cause=err.get("type"))
     if row.status == "cancelled":

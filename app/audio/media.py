@@ -94,6 +94,8 @@ def probe(path: Path, max_audio_s: float) -> Probe:
             duration = _declared_duration(c, s)
             if duration is None:  # e.g. a browser's streamed webm: time the packets instead
                 duration = _packet_duration(path, max_audio_s)
+            else:  # a header that under-states the audio is charged what the file holds
+                duration = _plausible_duration(path, duration, max_audio_s)
             if duration is not None and duration > max_audio_s:
                 raise PayloadTooLarge(
                     f"audio is {duration:.0f} s long; the limit is {max_audio_s:.0f} s",
@@ -153,6 +155,26 @@ def _declared_duration(c: Any, s: Any) -> float | None:
     if c.duration is not None:
         return float(c.duration) / av.time_base
     return None
+
+
+# Bytes per second of audio above which a header is not taken at its word: 1.6 Mb/s, four
+# times the richest lossy codec's rate; speech PCM (16 kHz mono: 32 kB/s) and FLAC at CD
+# quality are below it.
+SUSPICIOUS_BYTES_PER_S = 200_000
+LENGTH_SLACK_S = 1.0
+
+
+def _plausible_duration(path: Path, declared: float, max_audio_s: float) -> float:
+    """The duration to charge: the header's, unless the file's size says it holds far more
+    (a 90 s file whose header says 5 s): then its packets are timed (demuxing only, no
+    decoding) and the longer one counts. A header that lies cannot make its job cost one padded
+    window in every budget while it takes minutes of others' engine time; what slips under
+    this (silence compresses well) is counted at its decoded length once decoding passes the
+    header (app/jobs/work.py) and stopped at ``limits.max_audio_s``."""
+    if path.stat().st_size / max(declared, 0.5) <= SUSPICIOUS_BYTES_PER_S:
+        return declared
+    timed = _packet_duration(path, max_audio_s) or 0.0
+    return timed if timed > declared + LENGTH_SLACK_S else declared
 
 
 def _packet_duration(path: Path, max_audio_s: float) -> float | None:

@@ -387,9 +387,10 @@ class Batcher:
     @staticmethod
     def _alone(item: Item, exc: Exception) -> None:
         log.error("window of job %s failed: %s", item.job_id, exc)
+        # The exception's text stays in the log: it may name paths, devices or data.
         item.fail(TranscriptionFailed(
-            f"inference failed for the window at {item.window.start:.1f}s: {exc}",
-            cause="out_of_memory" if is_oom(exc) else type(exc).__name__,
+            f"inference failed for the window at {item.window.start:.1f}s",
+            cause="out_of_memory" if is_oom(exc) else "engine_error",
         ))
 
     def _update_gauges(self) -> None:

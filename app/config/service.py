@@ -98,6 +98,13 @@ class LimitSettings(BaseModel):
         1000, ge=1, le=1_000_000,
         description="Queued + running jobs one API key may hold (429; only with API keys)."
     )
+    max_transfers_per_key: int = Field(
+        16, ge=1, le=100_000,
+        description="Uploads being received and audio_url downloads running at once per API key "
+        "(without keys, for all callers together): past it, 429 before a body byte is read. "
+        "Each also counts as a job of at least min_job_s in the key's share, so a key cannot "
+        "hold every connection or outbound slot with transfers that trickle.",
+    )
     max_event_streams_per_key: int = Field(
         16, ge=1, le=10_000,
         description="Open GET /jobs/{id}/events streams per API key (429 past it; without keys, "
@@ -130,6 +137,24 @@ class SecuritySettings(BaseModel):
         "rebinding. Extra Host names to accept (JSON list; '*.example.com' for subdomains, '*' "
         "for any). Not used when keys are configured: a page cannot send the key.",
     )
+
+    allowed_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list, max_length=1000,
+        description="Web origins (scheme://host[:port], comma-separated or a JSON list) whose "
+        "pages may send state-changing requests (POST, DELETE, the realtime socket) to this "
+        "service, e.g. a front end on another port. Every other cross-site request a browser "
+        "marks (Origin, Sec-Fetch-Site) is refused with 403; clients that send no Origin (curl, "
+        "the SDKs) and the service's own page are served.",
+    )
+
+    @field_validator("allowed_origins", mode="before")
+    @classmethod
+    def _origins(cls, v: Any) -> Any:
+        if isinstance(v, str):
+            v = json.loads(v) if v.strip().startswith("[") else v.split(",")
+        if isinstance(v, list):
+            v = [str(o).strip().lower().rstrip("/") for o in v if str(o).strip()]
+        return v
 
     @field_validator("api_key_sha256", mode="before")
     @classmethod

@@ -24,6 +24,7 @@ from contextlib import asynccontextmanager
 from app.config import Settings
 from app.errors import Overloaded
 from app.jobs.store import JobStore
+from app.jobs.transfers import Transfers
 from app.metrics import Metrics
 
 KEY_CACHE_MAX = 4096  # keys whose recent load the pre-body gate remembers
@@ -63,8 +64,10 @@ class Admission:
     """The global and per-key bounds, and the reservations of uploads being committed."""
 
     def __init__(self, settings: Settings, store: JobStore, backlog: Backlog, metrics: Metrics,
-                 retry_after_s: Callable[[float], int]) -> None:
+                 retry_after_s: Callable[[float], int], transfers: Transfers | None = None) -> None:
         self.settings = settings
+        # Uploads and downloads in flight count in their key's share (app/jobs/transfers.py).
+        self.transfers = transfers or Transfers(settings.limits.max_transfers_per_key)
         self._store = store
         self.backlog = backlog
         self._metrics = metrics
@@ -109,7 +112,9 @@ class Admission:
             if len(cache) > KEY_CACHE_MAX:  # keys come and go: keep the newest answers
                 for k in sorted(cache, key=lambda k: cache[k][0])[:KEY_CACHE_MAX // 2]:
                     del cache[k]
-        return seconds + self._key_s[owner], jobs + self._key_jobs[owner]
+        moving = self.transfers.count(owner)  # each at least one padded window, not yet admitted
+        return (seconds + self._key_s[owner] + moving * self.settings.min_job_s(),
+                jobs + self._key_jobs[owner] + moving)
 
     async def admit_key(self, owner: str | None, cost_s: float, max_age_s: float = 0.0) -> None:
         """429 (Retry-After, naming the limit) when this API key already holds its share: so

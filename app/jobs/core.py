@@ -13,6 +13,7 @@ import asyncio
 import logging
 from collections.abc import Sequence
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import PurePath
 from typing import Any
 
@@ -27,12 +28,15 @@ from app.errors import NO_RETRY, BadRequest, DiarizationOff
 from app.jobs.admission import Admission
 from app.jobs.door import Health, LiveCall, LiveEnd, Readiness, ServiceStatus, Upload
 from app.jobs.events import EventHub, Subscription
+from app.jobs.fetching import Fetches
 from app.jobs.intake import Intake
 from app.jobs.live import LiveHall
 from app.jobs.runner import JobRunner
 from app.jobs.speed import Speed, Speedometer
 from app.jobs.store import JobRow, JobStore
+from app.jobs.transfers import Hold
 from app.jobs.views import JobView
+from app.jobs.webhooks import key_secret
 from app.metrics import Metrics
 from app.net.outbound import OutboundGuard
 from app.results.logprobs import entries
@@ -61,8 +65,10 @@ class Core:
         self._meter = Speedometer(metrics)
         self._admission = Admission(settings, store, runner.backlog, metrics,
                                     self._speed.retry_after_s)
+        self._fetches = Fetches(settings, outbound, self._admission, runner.fetched,
+                                runner.fail_unqueued)
         self._intake = Intake(settings, store, runner.blobs, outbound, self._admission,
-                              runner.submit)
+                              runner.submit, self._fetches)
         self._live = LiveHall(settings, metrics, store, batcher, runner.vad, outbound,
                               self._job_ended)
         self._hub = EventHub(settings.limits.max_event_streams_per_key, self._read,
@@ -99,13 +105,26 @@ class Core:
     async def submit(self, upload: Upload) -> str:
         return await self._intake.submit(upload)
 
+    def webhook_secret(self, owner: str | None) -> str | None:
+        hooks = self.settings.webhooks
+        return key_secret(hooks.secret.get_secret_value(), owner) if hooks.enabled else None
+
+    def transfer(self, owner: str | None) -> Hold:
+        return self._admission.transfers.acquire(owner)
+
+    async def stop_fetches(self) -> None:
+        await self._fetches.stop()
+
     async def replay(self, owner: str | None, key: str) -> JobView | None:
         row = await self._intake.find(owner, key)
         return self._view(row) if row is not None else None
 
     # ---- jobs ----------------------------------------------------------------------------------
     def _view(self, row: JobRow) -> JobView:
-        return JobView.of(row, self._runner.progress(row.id))
+        view = JobView.of(row, self._runner.progress(row.id))
+        if row.status == "fetching":
+            return replace(view, fetched_bytes=self._fetches.received(row.id))
+        return view
 
     async def _read(self, job_id: str) -> JobView | None:
         row = await self._store.get(job_id)
@@ -131,6 +150,7 @@ class Core:
         if row is None:
             return None
         await self._runner.cancel(row)
+        self._fetches.cancel(job_id)  # a download still running stops here
         return await self.get(job_id, owner)
 
     async def wait(self, job_id: str, timeout_s: float) -> None:

@@ -23,14 +23,15 @@ from typing import Any, Protocol
 
 from app.config import Settings
 from app.jobs.events import KEEPALIVE_S, EventFeed, Subscription
+from app.jobs.transfers import Hold
 from app.jobs.views import TERMINAL, JobView
 from app.metrics import Metrics
 from app.speakers.named import MAX_KNOWN, PART_BYTES
 from app.windows import JobOptions
 
 __all__ = ["KEEPALIVE_S", "MAX_KNOWN", "PART_BYTES", "TERMINAL", "Door", "EventFeed", "Health",
-           "JobView", "LiveCall", "LiveEnd", "Readiness", "ServiceStatus", "Subscription", "Upload",
-           "Writer"]
+           "Hold", "JobView", "LiveCall", "LiveEnd", "Readiness", "ServiceStatus", "Subscription",
+           "Upload", "Writer"]
 
 # Copies the request's audio to the path the core gives, refusing more than the byte limit
 # (PayloadTooLarge); returns the bytes written. Blocking: the core runs it on a worker thread.
@@ -151,6 +152,16 @@ class Door(Protocol):
         """Spool (or fetch) the audio, probe it, admit it (429 past the backlog bounds) and
         commit its job: the new job's id, or the first job's made under the same
         Idempotency-Key."""
+        ...
+
+    def webhook_secret(self, owner: str | None) -> str | None:
+        """The secret that signs this API key's webhook deliveries; None when webhooks are
+        off."""
+        ...
+
+    def transfer(self, owner: str | None) -> Hold:
+        """One upload or download in flight for this key (429 past
+        ``limits.max_transfers_per_key``); release the hold when its body is in."""
         ...
 
     async def replay(self, owner: str | None, key: str) -> JobView | None:

@@ -1,4 +1,5 @@
-"""Taking an upload in: spool (or fetch ``audio_url``), probe, admit, commit; one owner.
+"""Taking an upload in: spool, probe, admit, commit; one owner. An ``audio_url`` is checked and
+committed as a ``fetching`` job at once, its download part of the job (app/jobs/fetching.py).
 
 The router hands the request's audio over once (:class:`app.jobs.door.Upload`). From then on
 the file is the core's: written under a random job id in the blob store's spool folder, probed
@@ -23,7 +24,6 @@ import secrets
 import time
 import unicodedata
 from collections.abc import Awaitable, Callable
-from dataclasses import replace
 from pathlib import Path
 
 import anyio.to_thread
@@ -35,9 +35,9 @@ from app.errors import InvalidAudio
 from app.jobs.admission import Admission
 from app.jobs.blobs import BlobStore, drop_upload
 from app.jobs.door import Upload
+from app.jobs.fetching import Fetches
 from app.jobs.store import JobRow, JobStore
 from app.jobs.webhooks import check_callback_url
-from app.net.fetch import fetch_audio
 from app.net.outbound import OutboundGuard
 from app.windows import JobOptions
 
@@ -71,8 +71,10 @@ class Intake:
     """Uploads in, committed as queued jobs (``commit``: the job runner's submit)."""
 
     def __init__(self, settings: Settings, store: JobStore, blobs: BlobStore,
-                 outbound: OutboundGuard, admission: Admission, commit: Commit) -> None:
+                 outbound: OutboundGuard, admission: Admission, commit: Commit,
+                 fetches: Fetches) -> None:
         self.settings = settings
+        self.fetches = fetches
         self._store = store
         self._blobs = blobs
         self._outbound = outbound
@@ -91,19 +93,17 @@ class Intake:
         s = self.settings
         # Both URL checks come before any byte is spooled or fetched.
         callback_url = await check_callback_url(s.webhooks, self._outbound, up.callback_url)
+        if up.write is None:
+            return await self._submit_fetch(up, callback_url)
         job_id = new_job_id()
         # The client's file name is display-only; the spool path is our random id.
         dest = self._blobs.spool_dir / job_id
         options = up.options
+        write = up.write
+        assert write is not None
         try:
-            if up.write is not None:
-                size = await anyio.to_thread.run_sync(up.write, dest, s.limits.max_upload_bytes)
-                filename = clean_name(up.filename)
-            else:
-                assert up.audio_url is not None
-                fetched = await fetch_audio(s, self._outbound, up.audio_url, dest)
-                size, filename = fetched.size, clean_name(fetched.filename)
-                options = replace(options, audio_url=fetched.url)
+            size = await anyio.to_thread.run_sync(write, dest, s.limits.max_upload_bytes)
+            filename = clean_name(up.filename)
             if size == 0:
                 raise InvalidAudio("the uploaded file is empty")
             info = await anyio.to_thread.run_sync(audio.probe, dest, s.limits.max_audio_s)
@@ -119,6 +119,34 @@ class Intake:
             await drop_upload(self._blobs, self._blobs.key(dest))
             dest.unlink(missing_ok=True)
             return first
+        return job_id
+
+    async def _submit_fetch(self, up: Upload, callback_url: str | None) -> str:
+        """An ``audio_url`` job: checked, committed as ``fetching`` and answered at once; the
+        download runs as part of the job, under the key's transfer hold."""
+        url, hold = await self.fetches.check(up)
+        try:
+            job_id = new_job_id()
+            dest = self._blobs.spool_dir / job_id
+            options, name = Fetches.options_of(up, url)
+            key = up.idempotency_key
+            hashed = digest(up.owner, key) if key is not None else None
+            try:
+                await self._store.insert(
+                    id=job_id, owner=up.owner, status="fetching", created_at=time.time(),
+                    filename=clean_name(name), upload_path=self._blobs.key(dest),
+                    options=options.to_dict(), audio_seconds=0.0, windows_done=0, attempts=0,
+                    callback_url=callback_url, idempotency_key=hashed)
+            except sa.exc.IntegrityError:
+                first = await self.find(up.owner, key) if key is not None else None
+                if first is None:
+                    raise
+                hold.release()
+                return first.id
+        except BaseException:
+            hold.release()
+            raise
+        self.fetches.start(job_id, up, url, dest, hold)
         return job_id
 
     async def _commit(self, job_id: str, dest: Path, filename: str | None, options: JobOptions,

@@ -82,7 +82,8 @@ class JobRunner:
             log.info("resuming %d job(s) interrupted by the last stop", n)
         upkeep = Upkeep(self.store, self.blobs, self.replica, self.lease_s, Hooks(
             progress=lambda: {k: a.windows_done for k, a in self.active.items()},
-            abandon=self._abandon, requeued=self.wake, refresh=self.refresh_gauges))
+            abandon=self._abandon, requeued=self.wake, refresh=self.refresh_gauges),
+            ttl_s=self.settings.storage.result_ttl_s)
         self._tasks = [asyncio.create_task(self._claim_loop(), name="claim"),
                        asyncio.create_task(upkeep.loop(), name="maintenance")]
         self.wake()
@@ -145,6 +146,26 @@ class JobRunner:
             idempotency_key=idempotency_key,  # unique: a second job under one key fails to insert
         )
         self.wake()
+
+    async def fetched(self, job_id: str, upload: Path, audio_seconds: float) -> bool:
+        """An ``audio_url`` job's download is complete and admitted (app/jobs/fetching.py):
+        into the blob store, and the row from ``fetching`` to ``queued``. False (the upload
+        dropped) when the job was cancelled meanwhile."""
+        key = self.blobs.key(upload)
+        await asyncio.to_thread(self.blobs.put, key, upload)
+        if not await self.store.queue_fetched(job_id, audio_seconds):
+            await drop_upload(self.blobs, key)
+            return False
+        self.changed(job_id)
+        self.wake()
+        return True
+
+    async def fail_unqueued(self, job_id: str, error: dict[str, Any]) -> None:
+        """Fail a job that never reached the queue (its download failed)."""
+        row = await self.store.get(job_id)
+        if row is not None and await self.store.finish(
+                job_id, None, "failed", self.settings.storage.result_ttl_s, error=error):
+            self._job_ended(job_id, "failed", row)
 
     async def cancel(self, job: JobRow) -> bool:
         if job.status in TERMINAL:
@@ -248,7 +269,7 @@ class JobRunner:
     async def refresh_gauges(self) -> None:
         """Jobs by status and the backlog, from the store: on every scrape and in maintenance."""
         counts = await self.store.counts()
-        for status in ("queued", "running", *TERMINAL):
+        for status in ("fetching", "queued", "running", *TERMINAL):
             self.metrics.jobs.labels(status).set(counts.get(status, 0))
         self.metrics.backlog.set(await self.backlog.seconds())
 

@@ -84,7 +84,7 @@ class JobSpeakers:
             raise
         except Exception as exc:
             log.exception("speaker work of job %s failed", self.job_id)
-            raise DiarizationFailed(f"speaker diarization failed: {exc}") from exc
+            raise DiarizationFailed("speaker diarization failed; see the server log") from exc
         finally:
             self.busy_s += time.monotonic() - t0
 

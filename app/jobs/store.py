@@ -262,6 +262,18 @@ class JobStore:
                                       else_=0)))
         await self.run(lambda c: c.execute(q))
 
+    async def queue_fetched(self, job_id: str, audio_seconds: float) -> bool:
+        """An ``audio_url`` job's download is done: ``fetching`` -> ``queued`` (False when it
+        was cancelled meanwhile)."""
+        q = jobs.update().where(jobs.c.id == job_id, jobs.c.status == "fetching").values(
+            status="queued", audio_seconds=audio_seconds)
+        return await self.run(lambda c: bool(c.execute(q).rowcount))
+
+    async def stale_fetches(self, before: float) -> builtins.list[str]:
+        """Jobs still ``fetching`` that were created before ``before``: their process died."""
+        q = sa.select(jobs.c.id).where(jobs.c.status == "fetching", jobs.c.created_at < before)
+        return await self.run(lambda c: [str(r[0]) for r in c.execute(q)])
+
     async def update(self, job_id: str, **values: Any) -> None:
         await self.run(lambda c: c.execute(jobs.update().where(jobs.c.id == job_id).values(**values)))
 

@@ -1,7 +1,8 @@
 """The job runner's housekeeping: one pass every ``lease_s / 6``, on the event loop.
 
 Each pass extends this replica's leases (and records progress), abandons jobs whose lease was
-lost, requeues jobs whose lease expired (a replica died), purges results past their TTL, removes
+lost, requeues jobs whose lease expired (a replica died), fails ``audio_url`` jobs left
+``fetching`` by a process that died, purges results past their TTL, removes
 orphaned uploads every ``SPOOL_SWEEP_S``, and refreshes the job gauges. A failed pass is logged
 and retried at the next one: a database blip must not stop the leases from being renewed later.
 
@@ -22,6 +23,7 @@ from app.jobs.store import TERMINAL, JobStore
 log = logging.getLogger(__name__)
 
 SPOOL_SWEEP_S = 300.0  # how often, and how old an unreferenced spool file must be, to remove it
+STALE_FETCH_S = 3600.0 + 120.0  # past the longest outbound.fetch_timeout_s: no download is left
 
 
 @dataclass(frozen=True)
@@ -36,7 +38,8 @@ class Hooks:
 
 class Upkeep:
     def __init__(self, store: JobStore, blobs: BlobStore, replica: str, lease_s: float,
-                 hooks: Hooks) -> None:
+                 hooks: Hooks, ttl_s: float = 86400.0) -> None:
+        self.ttl_s = ttl_s
         self.store = store
         self.blobs = blobs
         self.replica = replica
@@ -54,6 +57,7 @@ class Upkeep:
                 if await self.store.requeue_stale(None):  # expired leases (a replica died)
                     self.hooks.requeued()
                 await self.purge_expired()
+                await self.fail_stale_fetches()
                 if time.monotonic() >= next_sweep:
                     await self.sweep_spool()
                     next_sweep = time.monotonic() + SPOOL_SWEEP_S
@@ -71,6 +75,14 @@ class Upkeep:
             if job is None or job.status in TERMINAL:
                 log.info("removing orphaned upload %s", key)
                 await drop_upload(self.blobs, key)
+
+    async def fail_stale_fetches(self) -> None:
+        """``fetching`` rows no download can still be running for (any replica's: older than
+        the longest fetch deadline): their process died mid-download."""
+        for job_id in await self.store.stale_fetches(time.time() - STALE_FETCH_S):
+            await self.store.finish(job_id, None, "failed", self.ttl_s, error={
+                "type": "fetch_failed",
+                "message": "the service stopped while fetching audio_url; submit the job again"})
 
     async def purge_expired(self) -> None:
         old = await self.store.expired(time.time())

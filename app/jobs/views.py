@@ -39,6 +39,7 @@ class JobView:
     webhook_next_at: float | None = None
     webhook_last_error: str | None = None
     webhook_delivered_at: float | None = None
+    fetched_bytes: int | None = None  # an audio_url job's download so far (status "fetching")
 
     @classmethod
     def of(cls, row: JobRow, live: tuple[int, int | None] | None = None) -> JobView:

@@ -7,10 +7,14 @@ database never send the same attempt twice, and deliveries pending at a restart 
 The loop is event-driven: woken by a finished job, or sleeping until the next retry is due.
 
 Signing (Stripe's scheme): ``X-Batchscribe-Signature: sha256=HEX(HMAC_SHA256(secret,
-"{timestamp}.{body}"))`` with ``X-Batchscribe-Timestamp``; receivers reject old timestamps
-(replay) and compare in constant time (:func:`verify`). Semantics are at-least-once: a
-receiver that answered 2xx but whose answer was lost gets the same ``X-Batchscribe-Delivery``
-again, and should deduplicate on it.
+"{timestamp}.{body}"))`` with ``X-Batchscribe-Timestamp``, where ``secret`` is the job's API
+key's own (:func:`key_secret`: derived from ``webhooks.secret`` and the key's id, shown to that
+key by ``GET /webhooks/secret``; without keys, ``webhooks.secret`` itself). The key's id is in
+the signed body (``key_id``) and in ``X-Batchscribe-Key-Id``: tenant A can point a job at B's
+receiver, but B, verifying with B's secret, rejects it, and no tenant can sign for another.
+Receivers reject old timestamps (replay) and compare in constant time (:func:`verify`).
+Semantics are at-least-once: a receiver that answered 2xx but whose answer was lost gets the
+same ``X-Batchscribe-Delivery`` again, and should deduplicate on it.
 """
 
 from __future__ import annotations
@@ -38,6 +42,8 @@ TIMESTAMP_HEADER = "X-Batchscribe-Timestamp"
 DELIVERY_HEADER = "X-Batchscribe-Delivery"
 EVENT_HEADER = "X-Batchscribe-Event"
 ATTEMPT_HEADER = "X-Batchscribe-Attempt"
+KEY_HEADER = "X-Batchscribe-Key-Id"
+KEY_SECRET_PREFIX = "whsec_"
 TOLERANCE_S = 300  # receivers: refuse signatures older (or newer) than this
 CLAIM_BATCH = 16
 MAX_IDLE_S = 60.0  # also catches deliveries another replica released or left behind
@@ -47,6 +53,16 @@ BUSY_RETRY_S = 1.0  # a delivery whose host has no free slot waits this long, at
 def sign(secret: str, timestamp: int, body: bytes) -> str:
     mac = hmac.new(secret.encode(), str(timestamp).encode() + b"." + body, hashlib.sha256)
     return "sha256=" + mac.hexdigest()
+
+
+def key_secret(secret: str, owner: str | None) -> str:
+    """The webhook secret of one API key (``owner``: its id): HMAC-SHA256 of the server's secret
+    over the key's id, so each tenant can verify only its own deliveries and forge none, and
+    nothing per key is stored. Without keys (``owner`` None) the one tenant uses the server's."""
+    if owner is None:
+        return secret
+    mac = hmac.new(secret.encode(), b"batchscribe webhook key " + owner.encode(), hashlib.sha256)
+    return KEY_SECRET_PREFIX + mac.hexdigest()
 
 
 def verify(secret: str, body: bytes, timestamp: str | None, signature: str | None,
@@ -80,7 +96,7 @@ def summary(row: JobRow) -> dict[str, Any]:
     """The POSTed body: the job's outcome, not its transcript (fetch result_url for that)."""
     result = row.result or {}
     return {
-        "event": f"job.{row.status}", "id": row.id, "status": row.status,
+        "event": f"job.{row.status}", "id": row.id, "status": row.status, "key_id": row.owner,
         "filename": row.filename, "created_at": row.created_at, "finished_at": row.finished_at,
         "audio_seconds": row.audio_seconds, "language": result.get("language"),
         "status_url": f"/jobs/{row.id}", "result_url": f"/jobs/{row.id}/result",
@@ -175,7 +191,9 @@ class WebhookDispatcher:
         headers = {
             "Content-Type": "application/json", EVENT_HEADER: f"job.{row.status}",
             DELIVERY_HEADER: row.id, ATTEMPT_HEADER: str(attempt), TIMESTAMP_HEADER: str(ts),
-            SIGNATURE_HEADER: sign(self.settings.secret.get_secret_value(), ts, body),
+            SIGNATURE_HEADER: sign(key_secret(self.settings.secret.get_secret_value(), row.owner),
+                                   ts, body),
+            KEY_HEADER: row.owner or "",
         }
         error: str | None = None
         try:
@@ -189,7 +207,7 @@ class WebhookDispatcher:
             if exc.category == "busy":  # the host's share of slots is taken: not an attempt
                 await self._record(row.id, {}, BUSY_RETRY_S)
                 return
-            error = exc.category
+            error = exc.public  # never a port's state: app/net/outbound.py
             log.info("webhook attempt failed", extra={"job_id": row.id, "attempt": attempt,
                                                       "error": exc.category, "detail": exc.detail})
         values: dict[str, Any] = {"webhook_attempts": attempt, "webhook_last_error": error}

@@ -1,5 +1,6 @@
 """``audio_url``: the service downloads the audio itself, into the spool file an upload would have
-been written to; from there the job is accepted exactly like an upload (probe, admission, commit).
+been written to, as part of the job (app/jobs/fetching.py: the request is answered before the
+first byte); from there the audio is probed and admitted exactly like an upload's.
 
 * ``http(s)://`` through the outbound guard (:mod:`app.net.outbound`): the destination is checked
   at submit and again where the connection is made, no redirects are followed, and the whole
@@ -23,6 +24,7 @@ import contextlib
 import os
 import re
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import IO
@@ -53,13 +55,54 @@ class Fetched:
     url: str  # what the job records: no credentials
 
 
-async def fetch_audio(settings: Settings, guard: OutboundGuard, url: str, dest: Path) -> Fetched:
-    """Download ``url`` to ``dest`` (fsynced), enforcing the limits while it streams."""
+Progress = Callable[[int], None]  # bytes received so far
+BUSY_WAIT_S = 1.0  # the outbound slots (in all, or of this host) are taken: try again then
+
+
+def is_s3(url: str) -> bool:
+    return url.strip().lower().startswith("s3://")
+
+
+async def check_audio_url(settings: Settings, guard: OutboundGuard, url: str) -> str:
+    """At submit, before the job exists (400 for a URL that cannot be fetched): ``s3://`` must
+    name a listed bucket, anything else passes the outbound guard's checks."""
     url = url.strip()
-    if url.lower().startswith("s3://"):
-        return await asyncio.to_thread(fetch_s3, settings, url, dest)
-    url = await guard.check_url(url, "audio_url")
-    return await fetch_http(settings, guard, url, dest)
+    if is_s3(url):
+        s3_checked(settings, url)
+        return url
+    return await guard.check_url(url, "audio_url")
+
+
+def file_name_of(url: str) -> str | None:
+    return file_name(s3_location(url)[1] if is_s3(url) else urlsplit(url).path)
+
+
+def recorded_url_of(url: str) -> str:
+    return url if is_s3(url) else recorded_url(url)
+
+
+async def fetch_audio(settings: Settings, guard: OutboundGuard, url: str, dest: Path,
+                      progress: Progress | None = None) -> Fetched:
+    """Download ``url`` to ``dest`` (fsynced), enforcing the limits while it streams. HTTP and
+    ``s3://`` alike hold one of the outbound guard's slots (in all, and per host or bucket)
+    while they run, waiting for one while they are all taken, within the fetch deadline."""
+    url = url.strip()
+    deadline = time.monotonic() + settings.outbound.fetch_timeout_s
+    while True:
+        try:
+            if is_s3(url):
+                bucket = s3_checked(settings, url)[0]
+                with guard.slot(f"s3:{bucket}") as got:
+                    if not got:
+                        raise Overloaded("the outbound slots are taken", field="audio_url")
+                    return await asyncio.to_thread(fetch_s3, settings, url, dest, progress)
+            url = await guard.check_url(url, "audio_url")
+            return await fetch_http(settings, guard, url, dest, progress)
+        except Overloaded:  # only raised for taken slots, before a byte was read
+            if time.monotonic() + BUSY_WAIT_S > deadline:
+                raise FetchFailed("audio_url could not be fetched (busy)",
+                                  field="audio_url") from None
+            await asyncio.sleep(BUSY_WAIT_S)
 
 
 def too_large(limit: int) -> PayloadTooLarge:
@@ -102,7 +145,8 @@ class _Sink:
             self.file.close()
 
 
-async def fetch_http(settings: Settings, guard: OutboundGuard, url: str, dest: Path) -> Fetched:
+async def fetch_http(settings: Settings, guard: OutboundGuard, url: str, dest: Path,
+                     progress: Progress | None = None) -> Fetched:
     sink = await asyncio.to_thread(_Sink, dest, settings)
     ok = False
     try:
@@ -119,8 +163,12 @@ async def fetch_http(settings: Settings, guard: OutboundGuard, url: str, dest: P
             if declared.isdigit() and int(declared) > sink.max_bytes:
                 raise too_large(sink.max_bytes)
             block = bytearray()
+            got = 0
             async for chunk in resp.aiter_raw():
                 block += chunk
+                got += len(chunk)
+                if progress is not None:
+                    progress(got)
                 if len(block) >= WRITE_BLOCK or (not sink.probed and
                                                  sink.size + len(block) >= PROBE_AFTER_BYTES):
                     await asyncio.to_thread(sink.write, bytes(block))
@@ -132,24 +180,30 @@ async def fetch_http(settings: Settings, guard: OutboundGuard, url: str, dest: P
             raise Overloaded("too many downloads from this host are in flight; retry shortly",
                              headers={"Retry-After": "2"}, field="audio_url") from None
         if exc.category in ("refused", "invalid_url"):
-            raise BadRequest(f"audio_url could not be fetched ({exc.category})",
+            raise BadRequest(f"audio_url could not be fetched ({exc.public})",
                              field="audio_url") from None
-        raise FetchFailed(f"audio_url could not be fetched ({exc.category})",
+        raise FetchFailed(f"audio_url could not be fetched ({exc.public})",
                           field="audio_url") from None
     finally:
         await asyncio.to_thread(sink.close, ok)
     return Fetched(sink.size, file_name(urlsplit(url).path), recorded_url(url))
 
 
-def fetch_s3(settings: Settings, url: str, dest: Path) -> Fetched:
-    """Blocking (boto3): runs on a worker thread."""
+def s3_checked(settings: Settings, url: str) -> tuple[str, str]:
+    """``s3://bucket/key``'s parts, or 400 unless the bucket is one the service reads from."""
     try:
-        bucket, key = s3_location(url)
+        bucket, key = s3_location(url.strip())
     except ValueError:
         raise BadRequest("audio_url must look like s3://bucket/key", field="audio_url") from None
     if not key or not s3_allowed(settings, bucket, key):
         raise BadRequest("audio_url names an S3 bucket this service does not read from "
                          "(outbound.s3_buckets)", field="audio_url")
+    return bucket, key
+
+
+def fetch_s3(settings: Settings, url: str, dest: Path, progress: Progress | None = None) -> Fetched:
+    """Blocking (boto3): runs on a worker thread."""
+    bucket, key = s3_checked(settings, url)
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
 
@@ -167,8 +221,10 @@ def fetch_s3(settings: Settings, url: str, dest: Path) -> Fetched:
         with contextlib.closing(obj["Body"]) as body:
             for chunk in body.iter_chunks(WRITE_BLOCK):
                 sink.write(chunk)
+                if progress is not None:
+                    progress(sink.size)
                 if time.monotonic() > deadline:
-                    raise FetchFailed("audio_url could not be fetched (timeout)", field="audio_url")
+                    raise FetchFailed("audio_url could not be fetched (unreachable)", field="audio_url")
         ok = True
     except ClientError as exc:
         code = str(exc.response.get("Error", {}).get("Code", ""))
@@ -177,7 +233,7 @@ def fetch_s3(settings: Settings, url: str, dest: Path) -> Fetched:
                              field="audio_url") from None
         raise FetchFailed("audio_url could not be fetched (s3_error)", field="audio_url") from None
     except BotoCoreError:
-        raise FetchFailed("audio_url could not be fetched (connect_failed)",
+        raise FetchFailed("audio_url could not be fetched (unreachable)",
                           field="audio_url") from None
     finally:
         sink.close(ok)

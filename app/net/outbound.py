@@ -50,9 +50,11 @@ Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 # Instance metadata services: AWS/GCP/Azure/OpenStack (and AWS's IPv6 one), Alibaba, Azure's
-# wireserver (a public address!), Oracle. Refused even with allow_private.
+# wireserver (a public address!), Oracle; AWS ECS/EKS task credentials (169.254.170.2, and
+# 169.254.170.23 for EKS Pod Identity). Refused even with allow_private.
 METADATA = frozenset(ipaddress.ip_address(a) for a in (
-    "169.254.169.254", "fd00:ec2::254", "100.100.100.200", "168.63.129.16", "192.0.0.192"))
+    "169.254.169.254", "fd00:ec2::254", "100.100.100.200", "168.63.129.16", "192.0.0.192",
+    "169.254.170.2", "169.254.170.23"))
 NAT64 = ipaddress.ip_network("64:ff9b::/96")
 RESOLVE_TIMEOUT_S = 5.0
 USER_AGENT = "batchscribe/1"
@@ -88,12 +90,28 @@ class Refused(Exception):
 
 
 class OutboundError(Exception):
-    """A failed outbound request; ``category`` is all a client is told."""
+    """A failed outbound request: ``category`` for the log and the code, :attr:`public` (all
+    a client is told), ``detail`` for the log only."""
 
     def __init__(self, category: str, detail: str = "") -> None:
         super().__init__(f"{category}: {detail}" if detail else category)
         self.category = category
         self.detail = detail
+
+    @property
+    def public(self) -> str:
+        return public_category(self.category)
+
+
+# What a client may learn of a failed request: the guard refused it, the URL is unusable, the
+# slots are busy, or the destination could not be reached. A closed port (connect_failed), an
+# open one that speaks no HTTP (protocol_error, tls_failed) and one that never answers
+# (timeout) all read "unreachable": the categories must not scan ports for a client.
+PUBLIC_CATEGORIES = frozenset({"refused", "invalid_url", "busy"})
+
+
+def public_category(category: str) -> str:
+    return category if category in PUBLIC_CATEGORIES else "unreachable"
 
 
 @dataclass(frozen=True)
@@ -167,6 +185,9 @@ class OutboundGuard:
         pool = httpcore.AsyncConnectionPool(
             ssl_context=ssl_context or httpx.create_ssl_context(),
             max_keepalive_connections=0,  # a connection per request: nothing lingers in a pool
+            # The slots below cap requests; httpcore's own default (10 connections) made every
+            # 11th request wait for one of ten slow ones, whatever tenant it was for.
+            max_connections=settings.max_in_flight,
             network_backend=_GuardedBackend(self),
         )
         transport = httpx.AsyncHTTPTransport(trust_env=False)

@@ -7,13 +7,15 @@ beside the engine. From the outside in (:func:`install_middleware`):
 1. ``RetryHints`` (observe.py): ``x-should-retry: false`` on every 4xx a retry cannot fix; it
    sees every answer, the other middlewares' included.
 2. ``HttpMetrics`` (observe.py): requests and latency by route and status.
-3. ``ApiKeyMiddleware`` or, without keys, ``LoopbackHostMiddleware`` (keys.py): the caller's
+3. ``CrossSiteGuard`` (origin.py): 403 for a browser's state-changing request or WebSocket
+   handshake from another site (``Origin`` / ``Sec-Fetch-Site``), before anything else runs.
+4. ``ApiKeyMiddleware`` or, without keys, ``LoopbackHostMiddleware`` (keys.py): the caller's
    tenant, or 401, before any body byte is read; on WebSocket handshakes (``/v1/realtime``)
    too, where a short-lived client secret (secrets.py) may stand in for the key.
-4. ``IdempotencyGate`` (idempotency.py): a known ``Idempotency-Key`` is answered at once; the
+5. ``IdempotencyGate`` (idempotency.py): a known ``Idempotency-Key`` is answered at once; the
    owner is known here, and a replay skips the backlog gate (it adds no work).
-5. ``BacklogGate`` (limits.py): 429 before the body is read while the backlog is full.
-6. ``BodyLimitMiddleware`` (limits.py): 413 as the body's bytes pass the limit.
+6. ``BacklogGate`` (limits.py): 429 before the body is read while the backlog is full.
+7. ``BodyLimitMiddleware`` (limits.py): 413 as the body's bytes pass the limit.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from app.api.middleware.idempotency import IdempotencyGate
 from app.api.middleware.keys import install_security
 from app.api.middleware.limits import BacklogGate, BodyLimitMiddleware
 from app.api.middleware.observe import HttpMetrics, RetryHints
+from app.api.middleware.origin import CrossSiteGuard
 from app.api.middleware.secrets import ClientSecrets
 from app.config import Settings
 
@@ -35,5 +38,6 @@ def install_middleware(app: FastAPI, settings: Settings) -> None:
     app.add_middleware(IdempotencyGate)
     app.state.client_secrets = ClientSecrets(settings.live)  # /v1/realtime's short-lived tokens
     install_security(app, settings.security, app.state.client_secrets)
+    app.add_middleware(CrossSiteGuard, allowed_origins=settings.security.allowed_origins)
     app.add_middleware(HttpMetrics)
     app.add_middleware(RetryHints)

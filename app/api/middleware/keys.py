@@ -16,7 +16,9 @@ unauthenticated client cannot make the service spool an upload.
 
 Without keys the service is open to whoever reaches it, so it is open only on purpose:
 :func:`exposure_problem` makes ``python -m app`` refuse to bind a non-loopback address without
-keys unless ``SECURITY__ALLOW_ANONYMOUS=true``, and :class:`LoopbackHostMiddleware` serves
+keys unless ``SECURITY__ALLOW_ANONYMOUS=true`` (and, however the app is served, uvicorn or
+gunicorn running ``create_app`` directly, :class:`LoopbackHostMiddleware` answers 503 to every
+request that reached it on a non-loopback address), and it serves
 keyless requests only when their ``Host`` names a loopback address (or a configured trusted
 host): a web page that rebinds its own name to 127.0.0.1 still sends its own name as ``Host``,
 so it cannot read ``GET /jobs`` from a browser on the service's machine.
@@ -28,6 +30,7 @@ import fnmatch
 import hashlib
 import hmac
 import ipaddress
+import logging
 from typing import Any
 
 from fastapi import FastAPI
@@ -39,10 +42,11 @@ from app.config import SecuritySettings, Settings
 from app.errors import NotFound, ServiceError
 from app.web import PAGE_PATHS
 
+log = logging.getLogger(__name__)
 OWNER_CHARS = 16  # 64 bits of the digest: unique among any realistic number of keys
 REALM = "batchscribe"
 # The API description is public on purpose (it holds no data), so clients and tools can read it.
-DOC_PATHS = frozenset({"/openapi.json", "/docs", "/docs/oauth2-redirect", "/redoc"})
+DOC_PATHS = frozenset({"/openapi.json", "/docs"})  # its assets: PAGE_PATHS
 HEALTH_PATHS = frozenset({"/healthz", "/readyz"})
 METRICS_PATHS = frozenset({"/metrics"})
 
@@ -96,21 +100,63 @@ def host_header(scope: Scope) -> str:
     return ""
 
 
+class OpenWithoutKeys(ServiceError):
+    status_code = 503
+    error_type = "open_without_keys"
+
+
+OPEN_WITHOUT_KEYS = ("this service has no API keys and was reached on an address other "
+                     "machines can use; its operator must set BATCHSCRIBE_SECURITY__API_KEY_SHA256 "
+                     "or BATCHSCRIBE_SECURITY__ALLOW_ANONYMOUS=true")
+
+
+def reached_beyond_loopback(scope: Scope) -> bool:
+    """The request came in on a non-loopback address of this machine: the socket is bound
+    beyond loopback (``uvicorn app.main:create_app --factory --host 0.0.0.0`` or gunicorn,
+    which never run :func:`exposure_problem`). ASGI's ``server`` is the connection's local
+    address; a name there (test clients) or a Unix socket says nothing, and is not refused."""
+    server = scope.get("server")
+    if not server or not isinstance(server[0], str):
+        return False
+    try:
+        return not ipaddress.ip_address(server[0].strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 class LoopbackHostMiddleware:
-    """Keyless mode: 421 unless the ``Host`` header names a loopback address or a trusted host.
+    """Keyless mode: 421 unless the ``Host`` header names a loopback address or a trusted host;
+    503 for every request that reached the service on a non-loopback address unless
+    ``allow_anonymous`` (the start-up refusal of ``python -m app``, however the app is served).
 
     Health, metrics and docs stay reachable by any name (probes use the pod's address)."""
 
-    def __init__(self, app: ASGIApp, trusted: list[str], open_: frozenset[str]) -> None:
+    def __init__(self, app: ASGIApp, trusted: list[str], open_: frozenset[str],
+                 allow_anonymous: bool = False) -> None:
         self.app = app
         self.trusted = [t.strip().lower() for t in trusted if t.strip()]
         self.open = open_
+        self.allow_anonymous = allow_anonymous
+        self.warned = False
 
     def allowed(self, host: str) -> bool:
         h = host.lower().rstrip(".")
         return is_loopback(h) or any(fnmatch.fnmatchcase(h, t) for t in self.trusted)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] not in ("http", "websocket"):
+            await self.app(scope, receive, send)
+            return
+        if not self.allow_anonymous and reached_beyond_loopback(scope):
+            if not self.warned:
+                self.warned = True
+                log.critical("refusing every request: %s", OPEN_WITHOUT_KEYS)
+            if scope["type"] == "websocket":
+                await send({"type": "websocket.close", "code": 1008})
+                return
+            await send_error(send, OpenWithoutKeys(OPEN_WITHOUT_KEYS, headers={
+                "x-should-retry": "false"}), scope["path"], close=True)
+            return
         if scope["type"] == "websocket":  # a live socket: the same Host rule, no key to cut
             if self.allowed(host_header(scope)):
                 await self.app(scope, receive, send)
@@ -281,7 +327,7 @@ def install_security(app: FastAPI, settings: SecuritySettings,
     without keys, the Host check against DNS rebinding."""
     if not settings.api_key_sha256:
         app.add_middleware(LoopbackHostMiddleware, trusted=settings.trusted_hosts,
-                           open_=open_paths(settings))
+                           open_=open_paths(settings), allow_anonymous=settings.allow_anonymous)
         return
     app.add_middleware(ApiKeyMiddleware, keys=KeyRing(settings.api_key_sha256),
                        open_=open_paths(settings), secrets=secrets)

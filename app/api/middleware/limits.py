@@ -104,22 +104,42 @@ class BodyLimitMiddleware:
 
 class BacklogGate:
     """An upload (``GATED_PATHS``) while the backlog (or the caller's key's share) is already
-    full: 429 before the body is read (:meth:`app.jobs.door.Door.gate`)."""
+    full: 429 before the body is read (:meth:`app.jobs.door.Door.gate`). Every upload
+    (``UPLOAD_PATHS``) holds one of its key's transfers (app/jobs/transfers.py) until its body
+    is in: 429 past ``limits.max_transfers_per_key``, so a key's trickling uploads cannot hold
+    every connection, and they count in its share meanwhile."""
 
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] in GATED_PATHS:
-            door: Door | None = getattr(scope["app"].state, "door", None)
-            if door is not None and door.ready:
-                owner = scope.get("state", {}).get("owner")  # set by the API key check
-                try:
-                    await door.gate(owner)
-                except Overloaded as exc:
-                    await send_error(send, exc, scope["path"], close=True)
-                    return
-        await self.app(scope, receive, send)
+        if scope["type"] != "http" or scope["method"] != "POST" or \
+                scope["path"] not in UPLOAD_PATHS:
+            await self.app(scope, receive, send)
+            return
+        door: Door | None = getattr(scope["app"].state, "door", None)
+        if door is None or not door.ready:
+            await self.app(scope, receive, send)
+            return
+        owner = scope.get("state", {}).get("owner")  # set by the API key check
+        try:
+            if scope["path"] in GATED_PATHS:
+                await door.gate(owner)  # the key's share, its transfers included
+            hold = door.transfer(owner)
+        except Overloaded as exc:
+            await send_error(send, exc, scope["path"], close=True)
+            return
+        try:
+            async def receiving() -> Message:
+                message = await receive()
+                if message["type"] != "http.request" or not message.get("more_body", False):
+                    hold.release()  # the body is in (or the client left): the transfer is over
+                return message
+
+            await self.app(scope, receiving, send)
+        finally:
+            hold.release()
 
 
 GATED_PATHS = frozenset({"/transcribe", "/asr", "/detect-language"})
+UPLOAD_PATHS = GATED_PATHS | {"/v1/audio/transcriptions", "/v1/audio/translations"}
