@@ -106,12 +106,14 @@ async def test_a_keyed_session_is_kept_as_a_job_with_its_formats_and_webhook(
         assert (await c.get(f"/jobs/{job_id}", headers={"Authorization": f"Bearer {OTHER}"})
                 ).status_code == 404  # another key's session is not found
         metrics = samples((await c.get("/metrics")).text)
+        key_secret = (await c.get("/webhooks/secret")).json()["secret"]  # signed for this key
         for _ in range(200):  # the webhook goes out as any finished job's
             if hooks.for_job(job_id):
                 break
             await asyncio.sleep(0.05)
     [hit] = hooks.for_job(job_id)
-    assert signature_ok(hit) and json.loads(hit.body)["status"] == "done"
+    assert not signature_ok(hit)  # the server's own secret does not verify a keyed delivery
+    assert signature_ok(hit, key_secret) and json.loads(hit.body)["status"] == "done"
     assert metrics["batchscribe_live_turn_latency_seconds_count"][0][1] >= 1
     assert metrics["batchscribe_live_sessions_open"][0][1] == 0
     assert "batchscribe_live_interim_decodes_total" in metrics
@@ -146,6 +148,14 @@ async def test_handshakes_need_a_key_or_a_client_secret(url: str) -> None:
     with pytest.raises(websockets.InvalidStatus):  # a real key never rides a query string
         async with connect(ws_url(url, client_secret=KEY)):
             pass
+    # issue 38: a page on another site may not open a socket, even with a valid client secret
+    # (the cross-site guard answers the handshake 403); the same handshake without Origin works
+    for origin in ({"Origin": "https://evil.example"}, {"Sec-Fetch-Site": "cross-site"}):
+        with pytest.raises(websockets.InvalidStatus) as e:
+            async with connect(ws_url(url, client_secret=secret["value"]),
+                               additional_headers=origin):
+                pass
+        assert e.value.response.status_code == 403
 
 
 async def test_sessions_past_the_key_limit_get_an_error_then_a_close(url: str) -> None:

@@ -93,10 +93,11 @@ def receiver() -> Iterator[Receiver]:
     rx.stop()
 
 
-def signature_ok(hit: Hit) -> bool:
-    """Checked independently of app.jobs.webhooks: HMAC-SHA256 over "timestamp.body"."""
+def signature_ok(hit: Hit, secret: str = SECRET) -> bool:
+    """Checked independently of app.jobs.webhooks: HMAC-SHA256 over "timestamp.body" (with keys,
+    ``secret`` is the key's own, from ``GET /webhooks/secret``)."""
     ts = hit.headers["X-Batchscribe-Timestamp"]
-    mac = hmac.new(SECRET.encode(), ts.encode() + b"." + hit.body, hashlib.sha256).hexdigest()
+    mac = hmac.new(secret.encode(), ts.encode() + b"." + hit.body, hashlib.sha256).hexdigest()
     fresh = abs(time.time() - int(ts)) < 300
     return fresh and hmac.compare_digest(hit.headers["X-Batchscribe-Signature"], f"sha256={mac}")
 
