@@ -151,6 +151,7 @@ async def test_a_failed_final_decode_is_reported_for_its_item() -> None:
                                            event("input_audio_buffer.commit")], decoder=dec)
     failed = [e for e in events if e["type"].endswith(".failed")]
     assert len(failed) == 1 and failed[0]["error"]["type"] == "server_error"
+    assert "fell over" not in json.dumps(failed[0])  # issue 38: the exception's text stays in the log
     sdk_parses(failed[0])
     assert session.items[0].error and session.items[0].transcript is None
 

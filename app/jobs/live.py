@@ -36,6 +36,7 @@ import numpy as np
 from app.audio.vad import Vad
 from app.batching.batcher import Batcher
 from app.config import Settings
+from app.errors import ServiceError
 from app.jobs.door import LiveCall, LiveEnd
 from app.jobs.intake import new_job_id
 from app.jobs.store import JobStore
@@ -88,7 +89,7 @@ class LiveHall:
         try:
             callback = await self._callback(call.callback_url)
         except Exception as exc:  # a refused callback_url: say why, open nothing
-            message = getattr(exc, "message", None) or str(exc)
+            message = exc.message if isinstance(exc, ServiceError) else "callback_url refused"
             await call.send(ErrorEvent.of(ProtocolError(message, code="invalid_value",
                                                         param="callback_url")).as_dict())
             return LiveEnd("invalid_callback_url", None, CLOSE_POLICY)

@@ -32,6 +32,7 @@ from typing import Any, Protocol, TypeVar
 import numpy as np
 
 from app.audio.cut import pieces
+from app.errors import ServiceError
 from app.live.agreement import Agreement
 from app.live.audio import AudioDecoder, BadAudio, ChunkBuffer, b64decode
 from app.live.config import LiveLimits, SessionConfig, wall_clock
@@ -269,7 +270,11 @@ class LiveSession:
         if error is not None:
             item.error = f"{type(error).__name__}: {error}"
             log.warning("live session %s: final decode failed: %s", self.id, item.error)
-            self._emit(TranscriptionFailed.of(t.item_id, str(error) or type(error).__name__,
+            # The service's own errors say what happened; anything else stays in the log (issue
+            # 38: no exception text leaves the service).
+            public = error.message if isinstance(error, ServiceError) else \
+                "The turn could not be transcribed; the service's log has the cause."
+            self._emit(TranscriptionFailed.of(t.item_id, public,
                                               code=getattr(error, "cause", None) or "server_error"))
             return
         delta, item.transcript = t.agreement.final(text)
