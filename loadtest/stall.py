@@ -1,0 +1,319 @@
+"""The stall of issue 34 item 3: a short clip beside a 20-minute upload that waits ~8 s.
+
+    PYTHONPATH=$PWD .venv/bin/python -m loadtest.stall --requests 100 --out /tmp/stall.json
+
+A real server (``loadtest.batch_trace`` as its entry point: every engine call and submit is
+traced), a long WAV kept in flight (posted again when it ends, as ``loadtest.traffic``), and one
+client sending short clips one at a time from the long upload's POST. While a short request has
+been out for ``--spy-after`` seconds, ``py-spy dump`` samples the server's threads once a second.
+Each slow request is then explained from the trace: when its windows were queued, encoded, put
+in the decoder pool and decoded, and what the engine ran meanwhile (see :func:`explain`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from loadtest.common import SHORT_CLIP_S, Clip, git_revision, load_corpus
+from loadtest.scoring import latency_summary
+from loadtest.service import TERMINAL, Client, Cycle, Server, write_long_wav
+
+
+async def _spy(pid: int, out: list[dict[str, Any]], since: float, stop: asyncio.Event,
+               every_s: float) -> None:
+    """``py-spy dump`` of the server every ``every_s`` until ``stop``."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    while not stop.is_set():
+        t = time.monotonic()
+        proc = await asyncio.create_subprocess_exec(
+            spy, "dump", "--pid", str(pid), stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+        text, _ = await proc.communicate()
+        out.append({"t": t, "out_for_s": round(t - since, 3), "dump": text.decode(errors="replace")})
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), every_s)
+
+
+async def _short(client: Client, clip: Clip, pid: int, spy_after: float,
+                 dumps: list[dict[str, Any]]) -> dict[str, Any]:
+    form = client._form(Path(clip.path).name, client.blobs[clip.id])
+    sent = time.monotonic()
+    stop = asyncio.Event()
+
+    async def watch() -> None:
+        try:
+            await asyncio.wait_for(stop.wait(), spy_after)
+        except TimeoutError:
+            await _spy(pid, dumps, sent, stop, 1.0)
+
+    watcher = asyncio.create_task(watch())
+    try:
+        async with client.http.post("/transcribe", params={"wait": "true"}, data=form) as r:
+            body = await r.json()
+    finally:
+        stop.set()
+        await watcher
+    done = time.monotonic()
+    return {"clip": clip.id, "clip_s": clip.duration_s, "job": body.get("id"),
+            "status": body.get("status"), "sent": sent, "done": done,
+            "latency_s": round(done - sent, 3)}
+
+
+async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    load_before = os.getloadavg()
+    clips = load_corpus()
+    short = [c for c in clips if c.duration_s <= SHORT_CLIP_S and c.id not in args.exclude]
+    long_path = work / "long.wav"
+    audio_s = write_long_wav(clips, long_path, args.long_minutes * 60)
+    trace = work / "trace.jsonl"
+    server = Server(work / "server", env={"BATCHSCRIBE_BATCH_TRACE": str(trace),
+                                          "BATCHSCRIBE_MODEL__NAME": args.model},
+                    argv=["-m", "loadtest.batch_trace"]).start()
+    assert server.proc is not None
+    pid = server.proc.pid
+    client = Client(server.url, clips, "en")
+    dumps: list[dict[str, Any]] = []
+    try:
+        cycle = Cycle(short)
+        idle = [await _short(client, cycle.next(), pid, 1e9, dumps) for _ in range(args.idle)]
+        blob = long_path.read_bytes()
+        stop = asyncio.Event()
+        long_jobs: list[dict[str, Any]] = []
+
+        async def keep_long() -> None:
+            while not stop.is_set():
+                t0 = time.monotonic()
+                job_id = await client.submit(long_path.name, blob)
+                while True:
+                    job = await client.job(job_id)
+                    if job["status"] in TERMINAL:
+                        break
+                    if stop.is_set():
+                        await client.cancel(job_id)
+                    await asyncio.sleep(0.25)
+                long_jobs.append({"job": job_id, "posted": t0, "ended": time.monotonic(),
+                                  "status": job["status"]})
+
+        long_task = asyncio.create_task(keep_long())
+        beside: list[dict[str, Any]] = []
+        try:
+            while len(beside) < args.requests:
+                beside.append(await _short(client, cycle.next(), pid, args.spy_after, dumps))
+        finally:
+            stop.set()
+            await long_task
+    finally:
+        await client.close()
+        server.stop()
+    calls = [json.loads(x) for x in trace.read_text().splitlines()] if trace.exists() else []
+    t_base = long_jobs[0]["posted"] if long_jobs else 0.0
+    slow = [r for r in beside if r["latency_s"] >= args.slow]
+    parts = [p for p in (decompose(r, calls) for r in beside) if p is not None]
+    return {
+        "commit": git_revision(), "long_audio_s": round(audio_s, 1), "load_before": load_before,
+        "idle": latency_summary([r["latency_s"] for r in idle]),
+        "beside_long": latency_summary([r["latency_s"] for r in beside]),
+        "long_jobs": [{**j, "posted": round(j["posted"] - t_base, 3),
+                       "ended": round(j["ended"] - t_base, 3)} for j in long_jobs],
+        "parts": sorted(parts, key=lambda p: -p["latency_s"]),
+        "parts_summary": {k: latency_summary([p[k] for p in parts])
+                          for k in ("queue_s", "encode_s", "pool_s", "decode_s", "other_s")},
+        "slow": [explain(r, calls, t_base) for r in slow],
+        "requests": [{**r, "sent": round(r["sent"] - t_base, 3), "done": round(r["done"] - t_base, 3)}
+                     for r in beside],
+        "spy": spy_summary(dumps),
+        "dumps": [{**d, "t": round(d["t"] - t_base, 3)} for d in dumps[:3]],
+        "trace": str(trace),
+    }
+
+
+def spy_summary(dumps: list[dict[str, Any]]) -> dict[str, Any]:
+    """What the threads were doing in the py-spy dumps taken while a request was slow: the
+    event loop's thread (idle: waiting in the loop) and each engine worker's call."""
+    engine: dict[str, int] = {}
+    main: dict[str, int] = {}
+    both_long = 0
+    for d in dumps:
+        states = []
+        for block in d["dump"].split("\nThread ")[1:]:
+            lines = block.strip().splitlines()
+            stack = " > ".join(line.strip().split(" (")[0] for line in lines[1:])
+            if "MainThread" in lines[0]:
+                top = lines[1].strip().split(" (")[0] if len(lines) > 1 else ""
+                main[top] = main.get(top, 0) + 1
+            elif "engine_" in lines[0]:
+                if "transcribe_batch" in stack:
+                    state = "run call (both stages, one call)"
+                elif "_redo_degenerate" in stack:
+                    state = "decode call, redoing a looping/unsure window at 30 s"
+                elif "WhisperEngine.decode" in stack:
+                    state = "decode call"
+                elif "WhisperEngine.encode" in stack:
+                    state = "encode call"
+                else:
+                    state = "idle"
+                states.append(state)
+                engine[state] = engine.get(state, 0) + 1
+        both_long += sum(st.startswith("run call") for st in states) >= 2
+    return {"dumps": len(dumps), "main_thread_top": main, "engine_threads": engine,
+            "dumps_with_every_worker_in_a_run_call": both_long}
+
+
+def decompose(req: dict[str, Any], trace: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """A request's latency in parts, from the trace: queued until its encode (or run) call
+    began (waiting for a worker), that call, waiting in the decoder pool, its decode call(s),
+    and the rest (HTTP, upload, prep, job store)."""
+    calls = sorted(((c["stage"], c["t0"], c["t1"], i) for c in trace if c["ev"] == "call"
+                    for i in c["items"] if i["job"] == req["job"]), key=lambda c: c[1])
+    if not calls:
+        return None
+    first = [c for c in calls if c[0] in ("encode", "run")]
+    dec = [c for c in calls if c[0] == "decode"]
+    queue = first[0][1] - calls[0][3]["enq"] if first else 0.0
+    enc = sum(c[2] - c[1] for c in first)
+    pool = dec[0][1] - first[-1][2] if dec and first else 0.0
+    decode = sum(c[2] - c[1] for c in dec)
+    parts = {"queue_s": queue, "encode_s": enc, "pool_s": pool, "decode_s": decode}
+    parts["other_s"] = req["done"] - req["sent"] - sum(parts.values())
+    return {"clip": req["clip"], "latency_s": req["latency_s"],
+            **{k: round(v, 3) for k, v in parts.items()}}
+
+
+def explain(req: dict[str, Any], trace: list[dict[str, Any]], t0: float) -> dict[str, Any]:
+    """A slow request's windows through the batcher, and every engine call while it was out."""
+    def rel(t: float | None) -> float | None:
+        return None if t is None else round(t - t0, 3)
+
+    mine = []
+    during = []
+    for c in trace:
+        if c["ev"] != "call" or c["t1"] < req["sent"] or c["t0"] > req["done"]:
+            continue
+        jobs = sorted({i["job"] for i in c["items"]})
+        row = {"stage": c["stage"], "t0": rel(c["t0"]), "t1": rel(c["t1"]),
+               "took_s": round(c["t1"] - c["t0"], 3), "n": len(c["items"]),
+               "jobs": jobs, "padded": sorted({i["padded"] for i in c["items"]})}
+        during.append(row)
+        for i in c["items"]:
+            if i["job"] == req["job"]:
+                mine.append({**row, "rank": i["rank"], "queued": rel(i["enq"]),
+                             "pooled": rel(i["pooled"]), "window_s": i["dur"]})
+    submits = [{"t": rel(s["t"]), "job": s["job"], "n": s["n"], "padded": s["padded"],
+                "job_windows": s["job_windows"]}
+               for s in trace if s["ev"] == "submit" and req["sent"] <= s["t"] <= req["done"]]
+    return {"job": req["job"], "clip": req["clip"], "latency_s": req["latency_s"],
+            "sent": rel(req["sent"]), "done": rel(req["done"]), "its_calls": mine,
+            "engine_calls_meanwhile": during, "submits_meanwhile": submits}
+
+
+def engine_costs(model: str, threads: int = 1) -> list[dict[str, Any]]:
+    """Each short clip's windows through the engine alone (batch 1, ``threads`` threads): the
+    encoder and decoder stage seconds, and whether the decode went back to Whisper's 30 s axis
+    (its text looped or was unsure: app/engine/whisper.py ``_redo_degenerate``)."""
+    from app.config import ModelSettings
+    from app.engine.whisper import WhisperEngine
+    from app.windows import DecodeOptions
+    from loadtest.common import cut_corpus, resolve_model
+
+    clips = [c for c in load_corpus() if c.duration_s <= SHORT_CLIP_S]
+    engine = WhisperEngine(resolve_model(model), ModelSettings(
+        device="cpu", compute_type="int8", num_workers=1, cpu_threads=threads), model)
+    redo: list[int] = []
+    inner = engine._transcribe
+
+    def counted(windows: Any, options: Any, n: int, languages: Any = None) -> Any:
+        redo.append(n)
+        return inner(windows, options, n, languages)
+
+    engine._transcribe = counted  # type: ignore[method-assign]
+    opts = DecodeOptions()
+    out: list[dict[str, Any]] = []
+    cut = cut_corpus(clips)
+    for cw in cut:
+        w = cw.window
+        t0 = time.perf_counter()
+        [enc] = engine.encode([w], opts)
+        t1 = time.perf_counter()
+        redo.clear()
+        [res] = engine.decode([w], [enc], opts)
+        t2 = time.perf_counter()
+        out.append({"clip": cw.clip_id, "window_s": round(w.duration, 2),
+                    "encode_s": round(t1 - t0, 3), "decode_s": round(t2 - t1, 3),
+                    "redo_at_30s": bool(redo), "text": res.text[:80]})
+    out.sort(key=lambda r: -float(r["decode_s"]))
+    out.append(_batch_with_a_loop(engine, [cw.window for cw in cut],
+                                  [cw.clip_id for cw in cut], out))
+    engine.close()
+    return out
+
+
+def _batch_with_a_loop(engine: Any, windows: list[Any], ids: list[str],
+                       costs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One decoder batch of 8 windows of one padded length, without and with the slowest
+    looping clip in it: what every other window of that batch pays for the loop's redo."""
+    from app.windows import DecodeOptions
+
+    opts = DecodeOptions()
+    looping = next(r["clip"] for r in costs if r.get("redo_at_30s"))
+    k = ids.index(looping)
+    n = engine.padded_samples(windows[k])
+    plain = [w for w, c in zip(windows, ids, strict=True)
+             if engine.padded_samples(w) == n and not any(
+                 r["clip"] == c and r.get("redo_at_30s") for r in costs)][:8]
+    timings = {}
+    for name, batch in (("8 plain", plain), ("7 plain + the loop", [*plain[:7], windows[k]])):
+        enc = engine.encode(batch, opts)
+        t0 = time.perf_counter()
+        engine.decode(batch, enc, opts)
+        timings[name] = round(time.perf_counter() - t0, 3)
+    return {"clip": f"decoder batch at padded {n} samples", "looping_clip": looping, **timings}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--long-minutes", type=float, default=20.0)
+    ap.add_argument("--requests", type=int, default=100)
+    ap.add_argument("--idle", type=int, default=10, help="short requests on the idle server")
+    ap.add_argument("--spy-after", type=float, default=3.0)
+    ap.add_argument("--slow", type=float, default=3.0, help="explain requests at least this slow")
+    ap.add_argument("--model", default="whisper-base")
+    ap.add_argument("--exclude", nargs="*", default=[], help="short clips left out of the cycle")
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--engine-costs", action="store_true",
+                    help="only the engine's cost of each short clip (no server)")
+    args = ap.parse_args()
+    if args.engine_costs:
+        load = os.getloadavg()
+        rows = engine_costs(args.model)
+        args.out.write_text(json.dumps({"load_before": load, "load_after": os.getloadavg(),
+                                        "clips": rows}, indent=1))
+        for r in rows[:4] + rows[-1:]:
+            print(json.dumps(r))
+        return
+    with tempfile.TemporaryDirectory(prefix="stall-") as tmp:
+        out = asyncio.run(run(args, Path(tmp)))
+        trace = Path(out["trace"])
+        kept = args.out.with_suffix(".trace.jsonl")
+        if trace.exists():
+            shutil.copy(trace, kept)
+            out["trace"] = str(kept)
+        out["load_after"] = os.getloadavg()
+    args.out.write_text(json.dumps(out, indent=1))
+    print(json.dumps({k: out[k] for k in ("commit", "load_before", "idle", "beside_long", "load_after",
+                                          "parts_summary")}))
+    for p in out["parts"][:10]:
+        print(json.dumps(p))
+
+
+if __name__ == "__main__":
+    main()
