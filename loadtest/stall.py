@@ -70,6 +70,7 @@ async def _short(client: Client, clip: Clip, pid: int, spy_after: float,
 
 
 async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    started = time.monotonic()
     load_before = os.getloadavg()
     clips = load_corpus()
     short = [c for c in clips if c.duration_s <= SHORT_CLIP_S and c.id not in args.exclude]
@@ -106,8 +107,9 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
         long_task = asyncio.create_task(keep_long())
         beside: list[dict[str, Any]] = []
+        until = started + args.max_minutes * 60
         try:
-            while len(beside) < args.requests:
+            while len(beside) < args.requests and time.monotonic() < until:
                 beside.append(await _short(client, cycle.next(), pid, args.spy_after, dumps))
         finally:
             stop.set()
@@ -120,7 +122,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     slow = [r for r in beside if r["latency_s"] >= args.slow]
     parts = [p for p in (decompose(r, calls) for r in beside) if p is not None]
     return {
-        "commit": git_revision(), "long_audio_s": round(audio_s, 1), "load_before": load_before,
+        "commit": git_revision(), "requested": args.requests, "long_audio_s": round(audio_s, 1),
+        "load_before": load_before,
         "idle": latency_summary([r["latency_s"] for r in idle]),
         "beside_long": latency_summary([r["latency_s"] for r in beside]),
         "long_jobs": [{**j, "posted": round(j["posted"] - t_base, 3),
@@ -288,6 +291,9 @@ def main() -> None:
     ap.add_argument("--slow", type=float, default=3.0, help="explain requests at least this slow")
     ap.add_argument("--model", default="whisper-base")
     ap.add_argument("--exclude", nargs="*", default=[], help="short clips left out of the cycle")
+    ap.add_argument("--max-minutes", type=float, default=12.0,
+                    help="stop sending short clips after this long (fewer than --requests "
+                         "on a loaded host), so a run ends within 15 minutes with its results")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--engine-costs", action="store_true",
                     help="only the engine's cost of each short clip (no server)")
