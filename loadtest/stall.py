@@ -157,6 +157,8 @@ def spy_summary(dumps: list[dict[str, Any]]) -> dict[str, Any]:
             elif "engine_" in lines[0]:
                 if "transcribe_batch" in stack:
                     state = "run call (both stages, one call)"
+                elif "WhisperEngine.redo" in stack:
+                    state = "redo call (a fallback, apart from its decoder batch)"
                 elif "_redo_degenerate" in stack:
                     state = "decode call, redoing a looping/unsure window at 30 s"
                 elif "WhisperEngine.decode" in stack:
@@ -181,7 +183,7 @@ def decompose(req: dict[str, Any], trace: list[dict[str, Any]]) -> dict[str, Any
     if not calls:
         return None
     first = [c for c in calls if c[0] in ("encode", "run")]
-    dec = [c for c in calls if c[0] == "decode"]
+    dec = [c for c in calls if c[0] in ("decode", "redo")]  # redo: its fallback, apart
     queue = first[0][1] - calls[0][3]["enq"] if first else 0.0
     enc = sum(c[2] - c[1] for c in first)
     pool = dec[0][1] - first[-1][2] if dec and first else 0.0
