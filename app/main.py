@@ -13,6 +13,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any, cast
 
 from fastapi import FastAPI
@@ -59,7 +60,9 @@ def stages(settings: Settings, pool: EnginePool) -> Stages | None:
     if not (settings.batcher.split_stages and pool.staged):
         return None
     engine = cast(StagedEngine, pool.engine)
-    return Stages(pool.encode, pool.decode, engine.padded_samples)
+    # The decoder leaves Whisper's fallbacks to calls of their own (app/batching/urgency.py).
+    return Stages(pool.encode, partial(pool.decode, redo=False), engine.padded_samples,
+                  redo=pool.redo)
 
 
 def create_app(settings: Settings | None = None,

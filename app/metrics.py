@@ -138,6 +138,9 @@ class Metrics:
             p + "batch_cap_windows", "Current batch cap (lowered by OOM backoff).", registry=r
         )
         self.oom_events = Counter(p + "oom_events", "Out-of-memory errors from the engine.", registry=r)
+        self.interim_shed = Counter(
+            p + "interim_shed", "Live interim decodes the batcher gave up on (behind, or "
+            "superseded by a newer interim of the same turn).", registry=r)
         self.batch_fill = Histogram(
             p + "batch_fill_ratio",
             "Speech seconds in a batch / (windows x 30 s): how much of the padded input is audio.",

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import asdict, dataclass, field, fields
+from enum import IntEnum
 from typing import Any, Literal
 
 import numpy as np
@@ -37,6 +38,20 @@ SPEECH_PAD_S = 1.4
 Task = Literal["transcribe", "translate"]
 LanguageDetection = Literal["per_upload", "per_window"]
 Channels = Literal["mix", "separate"]
+
+
+class Urgency(IntEnum):
+    """How long a window may wait for the engine (issue 34 item 3): the batcher takes lower
+    values first (app/batching/urgency.py says how and why)."""
+
+    LIVE_FINAL = 0  # a live turn's final decode: latency-critical, never shed
+    REQUEST = 1  # uploads and sync requests (short ones keep the batcher's own priority)
+    LIVE_INTERIM = 2  # a live turn's re-decode so far: useful, droppable (see Shed)
+
+
+class Shed(Exception):
+    """An interim decode given up on: the batcher was behind, or a newer interim of the same
+    job superseded it. Its future raises this; a final is never shed."""
 
 
 @dataclass(frozen=True)
@@ -127,6 +142,9 @@ class WindowResult:
     tokens: list[int] = field(default_factory=list)
     temperature: float = 0.0
     words: list[Word] | None = None  # only when DecodeOptions.word_timestamps
+    # A staged engine's first pass that asks for Whisper's 30 s fallback (a loop or an unsure
+    # decode, see app/engine/whisper.py ``redo``), which the batcher runs as separate work.
+    redo: bool = False
 
     @classmethod
     def detection(cls, language: str, probability: float | None) -> WindowResult:

@@ -25,7 +25,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import SHORT_CLIP_S, Clip, load_corpus
+from loadtest.common import SHORT_CLIP_S, Clip, git_revision, load_corpus
 from loadtest.scoring import latency_summary
 from loadtest.service import TERMINAL, Client, Cycle, Server, write_long_wav
 
@@ -70,6 +70,7 @@ async def _short(client: Client, clip: Clip, pid: int, spy_after: float,
 
 
 async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
+    started = time.monotonic()
     load_before = os.getloadavg()
     clips = load_corpus()
     short = [c for c in clips if c.duration_s <= SHORT_CLIP_S and c.id not in args.exclude]
@@ -106,8 +107,9 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
         long_task = asyncio.create_task(keep_long())
         beside: list[dict[str, Any]] = []
+        until = started + args.max_minutes * 60
         try:
-            while len(beside) < args.requests:
+            while len(beside) < args.requests and time.monotonic() < until:
                 beside.append(await _short(client, cycle.next(), pid, args.spy_after, dumps))
         finally:
             stop.set()
@@ -120,7 +122,8 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     slow = [r for r in beside if r["latency_s"] >= args.slow]
     parts = [p for p in (decompose(r, calls) for r in beside) if p is not None]
     return {
-        "long_audio_s": round(audio_s, 1), "load_before": load_before,
+        "commit": git_revision(), "requested": args.requests, "long_audio_s": round(audio_s, 1),
+        "load_before": load_before,
         "idle": latency_summary([r["latency_s"] for r in idle]),
         "beside_long": latency_summary([r["latency_s"] for r in beside]),
         "long_jobs": [{**j, "posted": round(j["posted"] - t_base, 3),
@@ -154,6 +157,8 @@ def spy_summary(dumps: list[dict[str, Any]]) -> dict[str, Any]:
             elif "engine_" in lines[0]:
                 if "transcribe_batch" in stack:
                     state = "run call (both stages, one call)"
+                elif "WhisperEngine.redo" in stack:
+                    state = "redo call (a fallback, apart from its decoder batch)"
                 elif "_redo_degenerate" in stack:
                     state = "decode call, redoing a looping/unsure window at 30 s"
                 elif "WhisperEngine.decode" in stack:
@@ -178,7 +183,7 @@ def decompose(req: dict[str, Any], trace: list[dict[str, Any]]) -> dict[str, Any
     if not calls:
         return None
     first = [c for c in calls if c[0] in ("encode", "run")]
-    dec = [c for c in calls if c[0] == "decode"]
+    dec = [c for c in calls if c[0] in ("decode", "redo")]  # redo: its fallback, apart
     queue = first[0][1] - calls[0][3]["enq"] if first else 0.0
     enc = sum(c[2] - c[1] for c in first)
     pool = dec[0][1] - first[-1][2] if dec and first else 0.0
@@ -288,6 +293,9 @@ def main() -> None:
     ap.add_argument("--slow", type=float, default=3.0, help="explain requests at least this slow")
     ap.add_argument("--model", default="whisper-base")
     ap.add_argument("--exclude", nargs="*", default=[], help="short clips left out of the cycle")
+    ap.add_argument("--max-minutes", type=float, default=12.0,
+                    help="stop sending short clips after this long (fewer than --requests "
+                         "on a loaded host), so a run ends within 15 minutes with its results")
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--engine-costs", action="store_true",
                     help="only the engine's cost of each short clip (no server)")
@@ -309,7 +317,7 @@ def main() -> None:
             out["trace"] = str(kept)
         out["load_after"] = os.getloadavg()
     args.out.write_text(json.dumps(out, indent=1))
-    print(json.dumps({k: out[k] for k in ("load_before", "idle", "beside_long", "load_after",
+    print(json.dumps({k: out[k] for k in ("commit", "load_before", "idle", "beside_long", "load_after",
                                           "parts_summary")}))
     for p in out["parts"][:10]:
         print(json.dumps(p))

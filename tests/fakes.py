@@ -32,6 +32,8 @@ class Started:
     async def stop(self) -> None:
         for fake, batcher in self._made:
             fake.gate.set()
+            if isinstance(fake, FakeStagedEngine):
+                fake.redo_gate.set()
             await batcher.stop(5)
 
 
@@ -106,6 +108,9 @@ class FakeStagedEngine(FakeEngine):
         super().__init__(workers)
         self.calls: list[tuple[str, list[int]]] = []
         self.stage_fail = fail
+        self.loops: set[int] = set()  # tags whose decode asks for Whisper's 30 s fallback
+        self.redo_gate = threading.Event()  # cleared: redo calls block until the test opens it
+        self.redo_gate.set()
 
     def padded_samples(self, window: Window) -> int:
         step = 5 * SAMPLE_RATE
@@ -125,13 +130,27 @@ class FakeStagedEngine(FakeEngine):
                         *language_of(w)) for w in windows]
 
     def decode(self, windows: Sequence[Window], encoded: Sequence[Encoded],
-               options: DecodeOptions) -> list[WindowResult]:
+               options: DecodeOptions, redo: bool = True) -> list[WindowResult]:
+        """A window in ``loops`` reads "redo<tag>" after its fallback: inside this call with
+        ``redo`` (the engine's default), else marked for :meth:`redo`, reading "w<tag>"."""
         assert len({e.samples for e in encoded}) == 1, "a decoder batch mixes padded lengths"
         assert [int(e.features[0]) for e in encoded] == [tag_of(w) for w in windows]
         self._enter("decode", windows)
-        return [WindowResult(text=f"w{tag_of(w)}", language=e.language, language_probability=None,
-                             avg_logprob=-0.1, no_speech_prob=0.0, compression_ratio=1.0)
-                for w, e in zip(windows, encoded, strict=True)]
+        out = [WindowResult(text=f"w{tag_of(w)}", language=e.language, language_probability=None,
+                            avg_logprob=-0.1, no_speech_prob=0.0, compression_ratio=1.0)
+               for w, e in zip(windows, encoded, strict=True)]
+        for w, r in zip(windows, out, strict=True):
+            if tag_of(w) in self.loops:
+                r.text, r.redo = (f"redo{tag_of(w)}", False) if redo else (r.text, True)
+        return out
+
+    def redo(self, windows: Sequence[Window], encoded: Sequence[Encoded],
+             options: DecodeOptions) -> list[WindowResult]:
+        self._enter("redo", windows)
+        self.redo_gate.wait(60)
+        return [WindowResult(text=f"redo{tag_of(w)}", language=e.language,
+                             language_probability=None, avg_logprob=-0.1, no_speech_prob=0.0,
+                             compression_ratio=1.0) for w, e in zip(windows, encoded, strict=True)]
 
     def transcribe_batch(self, windows: Sequence[Window], options: DecodeOptions) -> list[WindowResult]:
         self._enter("run", windows)

@@ -14,7 +14,9 @@ engine runs full batches; when idle, a lone request waits at most ``max_wait_ms`
 stages, windows to encode do not wait: see _to_encode).
 
 Two stages (CPU): a batch may instead be an *encode* of queued windows or a *decode* of
-encoded ones gathered across calls; see app/batching/stages.py.
+encoded ones gathered across calls; see app/batching/stages.py. Urgency (live finals first,
+interim decodes shed), the workers kept free of bulk work, the cost budget of a batch and the
+fallback decode run apart from its batch: app/batching/urgency.py, with the measurements.
 """
 
 from __future__ import annotations
@@ -23,25 +25,29 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from functools import partial
+from collections.abc import Callable, Sequence
 
+from app.batching.calls import EngineCalls, RunBatch
 from app.batching.capacity import BatchCap, WorkerSlots, beams
 from app.batching.fairness import JobLedger, fair_order
-from app.batching.queue import answer, isolate
-from app.batching.stages import Batch, DecodePool, GroupKey, Item, Stage, Stages, encoded_of
+from app.batching.stages import Batch, DecodePool, GroupKey, Item, Stage, Stages
+from app.batching.urgency import (
+    CostModel,
+    SlotPolicy,
+    has_final,
+    shed_stale,
+    supersede,
+    urgent_first,
+)
 from app.config import BatcherSettings
-from app.engine.device import is_oom
-from app.errors import ShuttingDown, TranscriptionFailed
+from app.errors import ShuttingDown
 from app.metrics import Metrics
-from app.windows import N_SAMPLES, WINDOW_S, DecodeOptions, Window, WindowResult
+from app.windows import N_SAMPLES, DecodeOptions, Urgency, Window, WindowResult
 
 log = logging.getLogger(__name__)
 
-RunBatch = Callable[[Sequence[Window], DecodeOptions], Awaitable[list[WindowResult]]]
 
-
-class Batcher:
+class Batcher(EngineCalls):
     def __init__(
         self, run_batch: RunBatch, settings: BatcherSettings, workers: int, metrics: Metrics,
         size_class: Callable[[Window], float] | None = None, base_memory_mb: float = 0.0,
@@ -65,7 +71,13 @@ class Batcher:
         self.workers = workers
         # Windows per job taken and not answered, and the engine memory they hold.
         padded = padded or (stages.padded if stages else (lambda w: N_SAMPLES))
+        self._padded = padded
         self._jobs = JobLedger(settings, workers, padded, self._wake)
+        self._redo: list[Item] = []  # decoded windows waiting for their fallback call
+        self._cost = CostModel(settings.batch_cost_s)
+        self._live = 0  # live windows submitted and not answered: the cost budget is on
+        self._policy = SlotPolicy(settings.reserved_slots if stages else 0)
+        self._shed_count = metrics.interim_shed.inc
         self._running: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
         self._stopping = False
@@ -74,15 +86,20 @@ class Batcher:
     def submit(
         self, job_id: str, windows: Sequence[Window], options: DecodeOptions, *,
         first_rank: int = 0, job_windows: int | None = None, owner: str | None = None,
+        urgency: Urgency = Urgency.REQUEST,
     ) -> list[asyncio.Future[WindowResult]]:
         """Queue windows of a job; returns one future per window, in the same order.
 
         A long upload arrives in several calls as its audio is prepared: ``first_rank`` is the
         first window's index in the job, and ``job_windows`` the job's size (estimated from its
-        duration until it is all cut), which tells a short request from a long one."""
+        duration until it is all cut), which tells a short request from a long one.
+        ``urgency``: live finals go first; a live interim's future may raise ``Shed`` (see
+        app/batching/urgency.py), and a newer interim of the job sheds the older ones waiting."""
         if self._stopping:
             raise ShuttingDown("batcher is stopping")
         loop = asyncio.get_running_loop()
+        if urgency is Urgency.LIVE_INTERIM:
+            supersede(self._waiting(), job_id, self._shed_count)
         group = self._groups.setdefault(options, [])
         size = max(job_windows or 0, first_rank + len(windows))
         futures = []
@@ -90,7 +107,10 @@ class Batcher:
             fut: asyncio.Future[WindowResult] = loop.create_future()
             padded = self._stages.padded(w) if self._stages else 0
             group.append(Item(job_id, first_rank + k, w, options, fut, job_windows=size,
-                              padded=padded, owner=owner))
+                              padded=padded, owner=owner, urgency=urgency))
+            if urgency is not Urgency.REQUEST:
+                self._live += 1
+                fut.add_done_callback(self._live_done)
             futures.append(fut)
         self._update_gauges()
         self._wake.set()
@@ -104,7 +124,15 @@ class Batcher:
     def pending(self) -> int:
         """Windows waiting: for an engine call, or (two stages) between encode and decode."""
         queued = sum(1 for g in self._groups.values() for i in g if not i.future.done())
-        return queued + self._pool.pending()
+        return queued + self._pool.pending() + sum(not i.future.done() for i in self._redo)
+
+    def _live_done(self, _: object) -> None:
+        self._live -= 1
+
+    def _waiting(self) -> list[Item]:
+        """Windows not in an engine call: queued, encoded in the pool, waiting for a redo."""
+        return [*(i for g in self._groups.values() for i in g),
+                *(i for g in self._pool.groups.values() for i in g), *self._redo]
 
     def retire_slots(self, n: int) -> None:
         """Take ``n`` worker slots: an engine left the rotation (see WorkerSlots)."""
@@ -141,9 +169,11 @@ class Batcher:
             if not task.done():
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
-        for item in [*(i for g in self._groups.values() for i in g), *self._pool.drain()]:
+        for item in [*(i for g in self._groups.values() for i in g), *self._pool.drain(),
+                     *self._redo]:
             item.fail(ShuttingDown("service stopping; the job stays queued"))
         self._groups.clear()
+        self._redo.clear()
 
     # ---- the owner loop ----------------------------------------------------------------------
     async def _loop(self) -> None:
@@ -154,6 +184,7 @@ class Batcher:
             except BaseException:
                 self._slots.release()
                 raise
+            self._policy.bulk_running += batch.bulk
             task = asyncio.create_task(self._dispatch(batch))
             self._running.add(task)
             task.add_done_callback(self._running.discard)
@@ -179,11 +210,13 @@ class Batcher:
         ``max_decode_wait_ms``; queued windows to encode, as above (the encoder costs the same
         per window in any batch, so encoding early loses nothing, and the windows it moves to
         the pool grow the decoder batches); else the largest encoded group, so that a worker
-        never idles while there is work.
+        never idles while there is work. Before all that, a group holding a live final (it is
+        ready at once) and, on a worker bulk may take, a window waiting for its redo.
         """
         wait_s = self.settings.max_wait_ms / 1000
-        ready: list[tuple[float, DecodeOptions]] = []
+        ready: list[tuple[bool, float, DecodeOptions]] = []
         deadline: float | None = None
+        shed_stale(self._waiting(), now, self.settings.interim_max_wait_ms / 1000, self._shed_count)
         for key in list(self._groups):
             live = [i for i in self._groups[key] if not i.future.done()]  # drop cancelled
             if not live:
@@ -191,23 +224,35 @@ class Batcher:
                 continue
             self._groups[key] = live
             oldest = live[0].enqueued
-            if len(live) >= self.limit("run", key) or oldest + wait_s <= now or self._to_encode(live):
-                ready.append((oldest, key))
+            final = has_final(live)
+            if (len(live) >= self.limit("run", key) or oldest + wait_s <= now or final
+                    or self._to_encode(live)):
+                ready.append((not final, oldest, key))
             elif deadline is None or oldest + wait_s < deadline:
                 deadline = oldest + wait_s
-        if self._stages is not None:
+        ready.sort(key=lambda r: r[:2])
+        first = bool(ready) and not ready[0][0]  # a final is queued: it goes before the pool
+        if self._stages is not None and not first:
             decode, due = self._pick_decode(now, idle=not ready)
             if decode is not None:
                 return decode, None
             deadline = min((d for d in (deadline, due) if d is not None), default=None)
-        # The oldest ready group whose windows may go now: a job at its memory share
-        # (job_memory_mb) waits for one of its windows to finish, which wakes this loop.
+        self._redo = [i for i in self._redo if not i.future.done()]
+        if self._redo and not first and self._policy.bulk_ok(self._slots.in_rotation):
+            item = self._redo.pop(0)
+            self._in_flight += 1
+            return Batch("redo", item.options, [item], bulk=True), None
+        # The first ready group whose windows may go now: a job at its memory share
+        # (job_memory_mb) waits for one of its windows to finish, which wakes this loop, and a
+        # long job's windows wait for a worker bulk may take (app/batching/urgency.py).
         items: list[Item] = []
-        for _, key in sorted(ready, key=lambda r: r[0]):
+        for _, _, key in ready:
             items = self._take(self._groups[key])
             if items:
                 break
         if not items:
+            if first and self._stages is not None:  # the final's group could not go: decode
+                return self._pick_decode(now, idle=True)[0], deadline
             return None, deadline
         # An upload of more windows than a batch holds fills decoder batches by itself: its
         # windows run both stages in one call and stay out of the pool. An upload of a few
@@ -216,7 +261,8 @@ class Batcher:
         # batch of six (30 s windows, one thread: 461 ms alone, 310 ms in two, 200 ms in six),
         # so it goes through the pool like a short request.
         staged = self._to_encode(items)
-        batch = Batch("encode" if staged else "run", key, items)
+        batch = Batch("encode" if staged else "run", key, items,
+                      bulk=any(self._policy.heavy(i, self.cap) for i in items))
         if staged:
             self._pool.encoding(items, +1)
         self._update_gauges()
@@ -246,6 +292,8 @@ class Batcher:
             return None, deadline
         limit = self.limit("decode", key[0])
         group = self._pool.groups[key]
+        if self._live:  # the cost budget, while live windows are in the service
+            limit = max(1, len(self._cost.within("decode", group[:limit], self._padded_s)))
         if all(i.job_windows > small for i in group) and self._slots.locked() and not self._small:
             limit = min(limit, small)
         items = self._pool.take(key, limit)
@@ -272,7 +320,9 @@ class Batcher:
         """Choose up to ``cap`` windows of one group: in fair order (see
         app/batching/fairness.py), within each job's memory, and beside a long upload a batch of
         its own for new requests."""
-        ranked = fair_order(group, self._size_class)
+        ranked = urgent_first(fair_order(group, self._size_class))
+        if not self._policy.bulk_ok(self._slots.in_rotation):  # a reserved worker: no bulk
+            ranked = [i for i in ranked if not self._policy.heavy(i, self.cap)]
         limit = self.limit("run", group[0].options)
         small = self.small_batch
         if self._running:
@@ -282,12 +332,17 @@ class Batcher:
             # job, the last free worker (the others all running full batches) takes only a
             # small batch, so the next short request waits for a small batch, not a full one
             # on every worker; one small batch at a time keeps the rest full for throughput.
-            fresh = [i for i in ranked if self._jobs.fresh(i.job_id)]
-            if fresh:
-                ranked = fresh
+            # Live finals always go (first).
+            finals = [i for i in ranked if i.urgency is Urgency.LIVE_FINAL]
+            fresh = [i for i in ranked if self._jobs.fresh(i.job_id) and i not in finals]
+            if finals or fresh:
+                ranked = finals + fresh
             elif self._slots.locked() and not self._small:
                 limit = min(limit, small)
         chosen = self._jobs.within_memory(ranked, limit)
+        if self._live and not any(self._policy.heavy(i, self.cap) for i in chosen):
+            chosen = self._cost.within("encode" if self._to_encode(chosen) else "run", chosen,
+                                       self._padded_s)
         self._in_flight += len(chosen)
         self._jobs.taken(chosen, small)
         taken = set(map(id, chosen))
@@ -309,6 +364,7 @@ class Batcher:
                 await self._run(next_batch)
                 next_batch = self._chained(next_batch)
         finally:
+            self._policy.bulk_running -= batch.bulk
             self._slots.release()
             self._update_gauges()
             self._wake.set()  # encoded windows may complete a decode group
@@ -318,80 +374,6 @@ class Batcher:
             return None
         mine = {(done.options, i.padded) for i in done.items}
         return self._pick_decode(time.monotonic(), idle=False, among=mine)[0]
-
-    async def _run(self, batch: Batch) -> None:
-        items = batch.items
-        now = time.monotonic()
-        if batch.stage != "decode":  # once per window: OOM retries of a split batch do not count
-            for i in items:
-                if not i.future.done():
-                    self._metrics.queue_wait.observe(now - i.enqueued)
-        try:
-            await self._execute(batch.stage, batch.options, items)
-        except BaseException as exc:  # never leave a caller hanging, whatever happened
-            for i in items:
-                i.fail(exc if isinstance(exc, Exception) else ShuttingDown("cancelled"))
-            if not isinstance(exc, Exception):
-                raise
-        finally:
-            self._small.discard(id(items))
-            self._in_flight -= len(items)
-            if batch.stage == "encode":
-                self._pool.encoding(items, -1)
-
-    async def _execute(self, stage: Stage, key: DecodeOptions, items: list[Item]) -> None:
-        """Run one batch, a failure split until it is pinned on its window (the primitive's
-        :func:`app.batching.queue.isolate`)."""
-        await isolate(items, partial(self._call, stage, key), self._alone,
-                      partial(self._failed, key))
-
-    async def _call(self, stage: Stage, key: DecodeOptions, items: list[Item]) -> None:
-        m = self._metrics
-        windows = [i.window for i in items]
-        start = time.monotonic()
-        try:
-            with self._slots.call(windows, start):
-                if stage == "encode":
-                    assert self._stages is not None
-                    encoded = await self._stages.encode(windows, key)
-                elif stage == "decode":
-                    assert self._stages is not None
-                    results = await self._stages.decode(windows, encoded_of(items), key)
-                else:
-                    results = await self._run_batch(windows, key)
-        except Exception:
-            m.processing.inc(time.monotonic() - start)  # engine time spent, even if wasted
-            raise
-        elapsed = time.monotonic() - start
-        m.batch_duration.observe(elapsed)
-        m.processing.inc(elapsed)
-        if stage == "encode" and key.detect_only:  # the language was all it asked for
-            for i, e in zip(items, encoded, strict=True):
-                answer(i, WindowResult.detection(e.language, e.language_probability))
-        elif stage == "encode":
-            self._pool.add(items, encoded)
-        else:
-            m.batch_done(len(items), sum(w.duration for w in windows), WINDOW_S)
-            for i, r in zip(items, results, strict=True):
-                i.encoded = None
-                answer(i, r)
-        self._cap.succeeded()
-
-    def _failed(self, key: DecodeOptions, items: list[Item], exc: Exception) -> None:
-        """A failed call (before it is split): on OOM the cap halves too."""
-        oom = is_oom(exc)
-        self._metrics.batches.labels("oom" if oom else "error").inc()
-        if oom:
-            self._cap.out_of_memory(len(items), beams(key))
-
-    @staticmethod
-    def _alone(item: Item, exc: Exception) -> None:
-        log.error("window of job %s failed: %s", item.job_id, exc)
-        # The exception's text stays in the log: it may name paths, devices or data.
-        item.fail(TranscriptionFailed(
-            f"inference failed for the window at {item.window.start:.1f}s",
-            cause="out_of_memory" if is_oom(exc) else "engine_error",
-        ))
 
     def _update_gauges(self) -> None:
         self._metrics.pending_windows.set(self.pending())

@@ -96,6 +96,7 @@ class WorkerSlots(asyncio.Semaphore):
 
     def __init__(self, workers: int) -> None:
         super().__init__(workers)
+        self._workers = workers
         self._retiring: set[asyncio.Task[None]] = set()
         self._retired = 0
         self._calls: dict[int, float] = {}  # engine calls running: id(windows) -> start
@@ -107,6 +108,11 @@ class WorkerSlots(asyncio.Semaphore):
             yield
         finally:  # returned, raised or cancelled: no longer running
             del self._calls[id(windows)]
+
+    @property
+    def in_rotation(self) -> int:
+        """Workers whose engine is in the rotation (all of them, less the retired slots)."""
+        return self._workers - self._retired
 
     def oldest_call_s(self) -> float:
         return time.monotonic() - min(self._calls.values()) if self._calls else 0.0

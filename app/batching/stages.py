@@ -12,7 +12,8 @@ alone (nothing queued or being encoded could join it and no other short request 
 service: a lone client gains nothing by waiting); or, failing all that, when a worker would
 otherwise idle (the largest group). Groups holding a short request's window go first, and with
 several API keys a key's lone waiting window beside another key's flood (>= 4 waiting) makes its
-group ready at once: it does not wait for the flood's windows to fill the group.
+group ready at once: it does not wait for the flood's windows to fill the group. A group holding
+a live final (app/windows.Urgency) is ready at once and goes first, its finals first in it.
 """
 
 from __future__ import annotations
@@ -24,9 +25,10 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from app.windows import DecodeOptions, Encoded, Window, WindowResult
+from app.windows import DecodeOptions, Encoded, Urgency, Window, WindowResult
 
-Stage = Literal["run", "encode", "decode"]  # run: both stages in one engine call
+# run: both stages in one engine call; redo: Whisper's 30 s fallback for one decoded window
+Stage = Literal["run", "encode", "decode", "redo"]
 GroupKey = tuple[DecodeOptions, int]  # options, padded length
 FLOOD = 4  # windows waiting from one API key that make another key's lone window go first
 
@@ -39,6 +41,10 @@ class Stages:
     decode: Callable[[Sequence[Window], Sequence[Encoded], DecodeOptions],
                      Awaitable[list[WindowResult]]]
     padded: Callable[[Window], int]  # the encoder length: decode groups by it
+    # Set: ``decode`` leaves Whisper's fallbacks out and marks the windows that need them
+    # (WindowResult.redo), and the batcher runs them here, one window a call (batcher.py).
+    redo: Callable[[Sequence[Window], Sequence[Encoded], DecodeOptions],
+                   Awaitable[list[WindowResult]]] | None = None
 
 
 @dataclass(eq=False)
@@ -54,6 +60,7 @@ class Item:
     encoded: Encoded | None = None
     pooled: float = 0.0  # when it was encoded
     owner: str | None = None  # the job's API key: batches take windows round robin across keys
+    urgency: Urgency = Urgency.REQUEST  # live finals first, interim decodes droppable
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
@@ -65,6 +72,7 @@ class Batch:
     stage: Stage
     options: DecodeOptions
     items: list[Item]
+    bulk: bool = False  # a long job's windows or a redo: kept off the reserved workers
 
 
 def encoded_of(items: Sequence[Item]) -> list[Encoded]:
@@ -125,7 +133,7 @@ class DecodePool:
         # A key with one window waiting beside a key flooding the service does not wait for its
         # group to fill with the flood's windows: its group goes to the next free worker.
         flood = len(waiting) > 1 and max(waiting.values()) >= FLOOD
-        ready: tuple[tuple[bool, float], GroupKey] | None = None
+        ready: tuple[tuple[bool, bool, float], GroupKey] | None = None
         largest: tuple[int, float, GroupKey] | None = None
         deadline: float | None = None
         keys = list(self.groups) if among is None else [k for k in among if k in self.groups]
@@ -140,8 +148,9 @@ class DecodePool:
             # client): then a group waits to fill.
             alone = key not in joining and shorts <= len(live)
             minority = flood and any(waiting[i.owner] <= 1 for i in live)
-            if len(live) >= limit or at <= now or alone or minority:
-                order = (all(i.job_windows > small for i in live), live[0].enqueued)
+            final = any(i.urgency is Urgency.LIVE_FINAL for i in live)  # never waits to fill
+            if len(live) >= limit or at <= now or alone or minority or final:
+                order = (not final, all(i.job_windows > small for i in live), live[0].enqueued)
                 if ready is None or order < ready[0]:
                     ready = (order, key)
             elif deadline is None or at < deadline:
@@ -167,6 +176,7 @@ class DecodePool:
             order = [group[n] for _, n in sorted(ranked)]
         else:
             order = group
+        order = sorted(order, key=lambda i: i.urgency is not Urgency.LIVE_FINAL)  # stable
         items = order[:limit]
         taken = set(map(id, items))
         group[:] = [i for i in group if id(i) not in taken]

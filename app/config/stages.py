@@ -161,6 +161,27 @@ class BatcherSettings(BaseModel):
     regrow_after: int = Field(
         8, ge=1, le=10_000, description="Successful batches before a halved cap doubles again."
     )
+    reserved_slots: int = Field(
+        1, ge=0, le=64,
+        description="Two stages (CPU): engine workers kept free of bulk work (a long upload's "
+        "windows, a looping window's 30 s fallback) for short requests and live windows; bulk "
+        "takes the others, at least one. Beside a 20-minute upload a new request waited for one "
+        "of its calls on every worker (queue p50 2.1-3.5 s at load 6.5-9.7; app/batching/"
+        "urgency.py). The price: a long upload alone runs on workers - this.",
+    )
+    batch_cost_s: float = Field(
+        3.0, ge=0, le=600,
+        description="While live windows are in the batcher, a batch of short work is cut to "
+        "this many estimated engine seconds (its windows' padded seconds x the seconds per "
+        "padded second its stage's last calls took), so a live final waits at most about this "
+        "for a worker. 0: off. Measured at load 6.5-9.7: a decoder batch of 8 plain windows "
+        "1.25 s.",
+    )
+    interim_max_wait_ms: int = Field(
+        1000, ge=0, le=60_000,
+        description="A live interim decode that waited longer than this is shed (its caller "
+        "gets Shed): the session's next interim (every ~1 s) would read the same audio and more.",
+    )
     stall_after_s: float = Field(
         600.0, ge=1, le=86_400,
         description="An engine call running longer than this (a hung driver or device) makes "

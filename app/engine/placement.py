@@ -168,9 +168,14 @@ class EnginePool:
         return await self._placed(len(windows), lambda r: r.encode(windows, options))
 
     async def decode(self, windows: Sequence[Window], encoded: Sequence[Encoded],
-                     options: DecodeOptions) -> list[WindowResult]:
+                     options: DecodeOptions, redo: bool = True) -> list[WindowResult]:
         # Encoder outputs are host arrays (staged engines are CPU ones): any engine decodes them.
-        return await self._placed(len(windows), lambda r: r.decode(windows, encoded, options))
+        return await self._placed(len(windows),
+                                  lambda r: r.decode(windows, encoded, options, redo))
+
+    async def redo(self, windows: Sequence[Window], encoded: Sequence[Encoded],
+                   options: DecodeOptions) -> list[WindowResult]:
+        return await self._placed(len(windows), lambda r: r.redo(windows, encoded, options))
 
     async def _placed(self, n_windows: int, call: Callable[[EngineRunner], Awaitable[T]]) -> T:
         tried: list[Slot] = []
@@ -300,8 +305,13 @@ class EngineRunner:
         return await self._call(cast(StagedEngine, self.engine).encode, windows, options)
 
     async def decode(self, windows: Sequence[Window], encoded: Sequence[Encoded],
-                     options: DecodeOptions) -> list[WindowResult]:
-        return await self._call(cast(StagedEngine, self.engine).decode, windows, encoded, options)
+                     options: DecodeOptions, redo: bool = True) -> list[WindowResult]:
+        return await self._call(cast(StagedEngine, self.engine).decode, windows, encoded,
+                                options, redo)
+
+    async def redo(self, windows: Sequence[Window], encoded: Sequence[Encoded],
+                   options: DecodeOptions) -> list[WindowResult]:
+        return await self._call(cast(StagedEngine, self.engine).redo, windows, encoded, options)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True, cancel_futures=True)

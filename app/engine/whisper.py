@@ -193,17 +193,48 @@ class WhisperEngine:
         return [e for e in out if e is not None]
 
     def decode(self, windows: Sequence[Window], encoded: Sequence[Encoded],
-               options: DecodeOptions) -> list[WindowResult]:
-        """Stage 2: one decoder batch over windows encoded by any earlier calls (one length)."""
-        import ctranslate2
+               options: DecodeOptions, redo: bool = True) -> list[WindowResult]:
+        """Stage 2: one decoder batch over windows encoded by any earlier calls (one length).
 
+        ``redo=False``: Whisper's fallbacks (the 30 s redo of a looping or unsure window on the
+        shortened axis, ``_widen`` and ``_unloop`` at 30 s) are left out of this call; such a
+        window comes back as its first pass marked ``redo``, for :meth:`redo` in a call of its
+        own. Measured beside a 20-minute upload (loadtest/results/stall.json): a decoder batch
+        of 8 plain windows took 1.25 s, 7 plain and one looping clip 8.23 s; every window of the
+        batch waited for the loop's fallbacks."""
         n = encoded[0].samples
         if any(e.samples != n for e in encoded):
             raise ValueError("a decoder batch needs one padded length")
-        feats = ctranslate2.StorageView.from_array(np.stack([e.features for e in encoded]))
         languages = [(e.language, e.language_probability) for e in encoded]
-        out = self._decode(windows, feats, languages, options, n)
+        out = self._decode(windows, _stacked(encoded), languages, options, n, fallback=redo)
+        if not redo:
+            for r in out:
+                r.redo = self._needs_redo(r, options, n)
+            return out
         return self._redo_degenerate(windows, out, languages, options, n)
+
+    def redo(self, windows: Sequence[Window], encoded: Sequence[Encoded],
+             options: DecodeOptions) -> list[WindowResult]:
+        """The fallbacks :meth:`decode` left out (``redo=False``): the same text as a decode
+        with them (a decode is deterministic, so the first pass repeats exactly). Windows
+        shorter than 30 s are encoded again at 30 s; 30 s ones decode from their encoder output."""
+        languages = [(e.language, e.language_probability) for e in encoded]
+        out: list[WindowResult | None] = [None] * len(windows)
+        for k, (w, e) in enumerate(zip(windows, encoded, strict=True)):
+            if e.samples == N_SAMPLES:
+                [out[k]] = self._decode([w], _stacked([e]), [languages[k]], options, N_SAMPLES)
+            else:
+                [out[k]] = self._transcribe([w], options, N_SAMPLES, [languages[k]])
+        return [r for r in out if r is not None]
+
+    def _needs_redo(self, r: WindowResult, options: DecodeOptions, n: int) -> bool:
+        """Would a decode with fallbacks have decoded this window again (see :meth:`decode`)?"""
+        if n < N_SAMPLES:
+            return degenerate(r) or unsure(r)  # as _redo_degenerate
+        if options.temperature != 0:
+            return False
+        widen = unsure(r) and not degenerate(r) and options.beam_for(r.language) < self._wide
+        return widen or (degenerate(r) and bool(self._penalties))
 
     # ---- the model calls --------------------------------------------------------------------
     def _encode(self, windows: Sequence[Window], n: int,
@@ -213,7 +244,7 @@ class WhisperEngine:
         return encoder_output, languages or self._detector.languages(windows, encoder_output, n)
 
     def _decode(self, windows: Sequence[Window], encoder_output: Any, languages: Languages,
-                options: DecodeOptions, n: int) -> list[WindowResult]:
+                options: DecodeOptions, n: int, fallback: bool = True) -> list[WindowResult]:
         """Windows whose languages ask for different beams (:meth:`DecodeOptions.beam_for`)
         decode in one generate per beam, from the same encoder output. The batcher sized the
         batch for ``beam_size``; on a GPU a wider beam's windows go in parts of ``batch x
@@ -234,12 +265,13 @@ class WhisperEngine:
                         else batch_rows(encoder_output, part))
                 for k, r in zip(part, self._decode_one(
                         [windows[k] for k in part], rows, [languages[k] for k in part],
-                        replace(options, beam_size=beam, other_beam_size=None), n), strict=True):
+                        replace(options, beam_size=beam, other_beam_size=None), n, fallback),
+                        strict=True):
                     out[k] = r
         return [r for r in out if r is not None]
 
     def _decode_one(self, windows: Sequence[Window], encoder_output: Any, languages: Languages,
-                    options: DecodeOptions, n: int) -> list[WindowResult]:
+                    options: DecodeOptions, n: int, fallback: bool = True) -> list[WindowResult]:
         task = options.task
         prompts = [self._prompts.tokens(w.prompt, lang, task)
                    for w, (lang, _) in zip(windows, languages, strict=True)]
@@ -256,7 +288,7 @@ class WhisperEngine:
         for k, r in zip(full, self._again(encoder_output, full, prompts, limits, languages,
                                           options), strict=True):
             out[k] = r
-        if n == N_SAMPLES and options.temperature == 0:
+        if n == N_SAMPLES and options.temperature == 0 and fallback:
             self._widen(encoder_output, prompts, budgets, languages, options, out)
             self._unloop(encoder_output, prompts, budgets, languages, options, out)
         if options.word_timestamps:
@@ -353,6 +385,13 @@ class WhisperEngine:
 
     def close(self) -> None:
         del self.model
+
+
+def _stacked(encoded: Sequence[Encoded]) -> Any:
+    """Encoder outputs kept in host memory, as one batch for the decoder."""
+    import ctranslate2
+
+    return ctranslate2.StorageView.from_array(np.stack([e.features for e in encoded]))
 
 
 def _cpu_count() -> int:

@@ -1,0 +1,128 @@
+"""What may hold a latency-critical window back, and by how much (issue 34 item 3).
+
+Measured beside a 20-minute upload on this 2-core host (branch live, commit 150570f,
+``loadtest/results/stall.json`` there): short clips took 0.05-2.1 s, except one per run that
+waited ~8 s against 0.5 s idle. Two kinds of engine call held a worker for seconds:
+
+* **A looping or unsure window's fallback inside its decoder batch.** A decoder batch of 8 plain
+  windows took 1.25 s; 7 plain windows and one looping clip took 8.23 s (its 30 s re-encode,
+  beam-5 ``_widen`` and repetition-penalty ``_unloop`` ran in the same call). Now the engine's
+  decode leaves the fallbacks out and marks such windows; the batcher answers the others at once
+  and runs the fallback as a call of its own, one window (stage ``redo``): a loop delays only
+  itself. A live interim decode never gets one: the turn's final supersedes it.
+* **A long upload's calls on every worker.** Its windows run one per call per worker, so a new
+  request waited for one of them to end (queue p50 2.1-3.5 s at load 6.5-9.7). Now *bulk* work
+  (a long job's windows, redo calls) takes at most ``workers - reserved_slots`` workers
+  (:class:`SlotPolicy`): the reserved worker is always free of it for short requests and live
+  windows. The price: a long upload alone runs on one worker of two on CPU.
+
+What is left on the reserved worker is short work, and :class:`CostModel` bounds each such batch
+by its estimated engine seconds (``batch_cost_s``), not only by its count: a final that arrives
+while every worker is busy waits at most about one budget. Smaller batches cost throughput, so
+the budget is on while live windows are in the batcher (the finals it protects): beside uploads
+alone, batches are sized as before. Bulk batches are not budgeted (the reserved worker is there
+instead), so a GPU's long-upload batches still fill.
+
+Urgency (app/windows.Urgency): live finals go first in every choice (the queue, the decoder pool,
+inside a batch); REQUEST windows keep the batcher's own fairness; live interim decodes are shed
+(their futures raise :class:`~app.windows.Shed`, never a final's) when the batcher falls behind:
+
+* **superseded**: a newer interim of the same job is submitted while an older one still waits.
+  The newer one decodes the same turn's audio and more, so the older text is useless by then.
+* **stale**: an interim waited longer than ``interim_max_wait_ms`` (1 s, the issue's interim
+  interval): by then the session's next interim is due, and the worker is better spent on finals.
+  Checked when the batcher next forms a batch (a worker freed or a window arrived), not on a
+  timer of its own: the session learns of it then, and its next interim supersedes it anyway.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from app.batching.stages import Item, Stage
+from app.windows import Shed, Urgency
+
+EWMA = 0.3  # weight of the newest call in the measured cost per padded second
+
+
+def urgent_first(ranked: Sequence[Item]) -> list[Item]:
+    """Live finals first (oldest first), then the rest in the order given."""
+    finals = sorted((i for i in ranked if i.urgency is Urgency.LIVE_FINAL), key=lambda i: i.enqueued)
+    return finals + [i for i in ranked if i.urgency is not Urgency.LIVE_FINAL]
+
+
+def has_final(items: Iterable[Item]) -> bool:
+    return any(i.urgency is Urgency.LIVE_FINAL and not i.future.done() for i in items)
+
+
+def shed(item: Item, why: str, count: Callable[[], None]) -> None:
+    if item.urgency is not Urgency.LIVE_INTERIM or item.future.done():
+        return
+    item.future.set_exception(Shed(f"interim decode shed: {why}"))
+    count()
+
+
+def shed_stale(items: Iterable[Item], now: float, max_wait_s: float,
+               count: Callable[[], None]) -> None:
+    """Interim decodes that waited longer than ``max_wait_s`` (see the module doc)."""
+    for i in items:
+        if i.urgency is Urgency.LIVE_INTERIM and now - i.enqueued > max_wait_s:
+            shed(i, f"waited over {max_wait_s:.1f} s", count)
+
+
+def supersede(items: Iterable[Item], job_id: str, count: Callable[[], None]) -> None:
+    """Earlier interim decodes of ``job_id`` still waiting: a newer one replaces them."""
+    for i in items:
+        if i.job_id == job_id:
+            shed(i, "superseded by a newer interim", count)
+
+
+class CostModel:
+    """An engine call's estimated seconds: its windows' padded seconds times the seconds per
+    padded second that the last calls of its stage measured (an EWMA, so a loaded host's slower
+    calls count within a few calls). Unmeasured: no estimate, no bound."""
+
+    def __init__(self, budget_s: float) -> None:
+        self.budget_s = budget_s
+        self._rate: dict[Stage, float] = {}
+
+    def observe(self, stage: Stage, padded_s: float, elapsed_s: float) -> None:
+        if padded_s <= 0:
+            return
+        rate = elapsed_s / padded_s
+        old = self._rate.get(stage)
+        self._rate[stage] = rate if old is None else (1 - EWMA) * old + EWMA * rate
+
+    def estimate(self, stage: Stage, padded_s: float) -> float | None:
+        rate = self._rate.get(stage)
+        return None if rate is None else rate * padded_s
+
+    def within(self, stage: Stage, items: list[Item], padded_s: Callable[[Item], float]
+               ) -> list[Item]:
+        """The longest prefix of ``items`` whose estimated cost fits the budget (one at least)."""
+        rate = self._rate.get(stage)
+        if not self.budget_s or rate is None:
+            return items
+        total = 0.0
+        for n, i in enumerate(items):
+            total += rate * padded_s(i)
+            if n and total > self.budget_s:
+                return items[:n]
+        return items
+
+
+class SlotPolicy:
+    """Bulk work (a long job's windows, redo calls) takes at most ``workers - reserved`` engine
+    workers, at least one: the rest stay free for short requests and live windows."""
+
+    def __init__(self, reserved: int) -> None:
+        self.reserved = reserved
+        self.bulk_running = 0  # bulk batches dispatched and not finished
+
+    def bulk_ok(self, workers: int) -> bool:
+        return self.bulk_running < max(1, workers - self.reserved)
+
+    @staticmethod
+    def heavy(item: Item, cap: int) -> bool:
+        """A long job's window (more windows than a batch holds), not a live one."""
+        return item.urgency is Urgency.REQUEST and item.job_windows > cap

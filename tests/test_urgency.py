@@ -1,0 +1,166 @@
+"""Urgency in the batcher (issue 34 item 3; app/batching/urgency.py): live finals first, interim
+decodes shed when behind (never finals), a window's fallback decode out of its batch, and a
+worker kept free of a long upload's calls. A fake staged engine records every call; no model,
+no timing thresholds."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator, Callable, Sequence
+from functools import partial
+
+import pytest
+
+from app.batching.batcher import Batcher
+from app.batching.stages import Stages
+from app.config import BatcherSettings
+from app.engine.placement import EngineRunner
+from app.metrics import Metrics
+from app.windows import DecodeOptions, Shed, Urgency, Window, WindowResult
+from tests.fakes import BOUND, FakeStagedEngine, Started, gather, tag_of, tagged_window
+
+EN = DecodeOptions()
+LONG = 1000  # tags from here on: a long upload's windows
+
+
+class HeldLong(FakeStagedEngine):
+    """Calls holding a long upload's windows wait for ``long_gate``; the others do not."""
+
+    def __init__(self, workers: int) -> None:
+        super().__init__(workers)
+        self.long_gate = threading.Event()
+        self.long_entered = threading.Semaphore(0)
+
+    def _enter(self, stage: str, windows: Sequence[Window]) -> None:
+        if any(tag_of(w) >= LONG for w in windows):
+            self.long_entered.release()
+            self.long_gate.wait(60)
+        super()._enter(stage, windows)
+
+
+class Rig:
+    def __init__(self, fake: FakeStagedEngine, batcher: Batcher, metrics: Metrics) -> None:
+        self.fake, self.batcher, self.metrics = fake, batcher, metrics
+
+    async def blocker(self, seconds: float = 3) -> list[asyncio.Future[WindowResult]]:
+        """A window whose engine call holds the only worker until the test opens the gate."""
+        self.fake.gate.clear()
+        futs = self.batcher.submit("blocker", [tagged_window(999, seconds)], EN)
+        await asyncio.to_thread(self.fake.entered.acquire, True, BOUND)
+        return futs
+
+    def calls(self, stage: str | None = None) -> list[list[int]]:
+        return [tags for s, tags in self.fake.calls if stage in (None, s)]
+
+    def shed(self) -> float:
+        return self.metrics.interim_shed._value.get()
+
+
+@pytest.fixture
+async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
+    started = Started()
+
+    def make(cap: int = 2, workers: int = 1, fake: FakeStagedEngine | None = None,
+             **settings: int) -> Rig:
+        fake = fake or FakeStagedEngine(workers=workers)
+        runner = EngineRunner(fake)
+        metrics = Metrics()
+        b = Batcher(runner.run, BatcherSettings(max_batch_size=cap, job_memory_mb=0, max_wait_ms=10,
+                                                max_decode_wait_ms=60_000, **settings),
+                    workers, metrics, stages=Stages(runner.encode, partial(runner.decode, redo=False),
+                                                    fake.padded_samples, redo=runner.redo))
+        started.add(fake, b)
+        return Rig(fake, b, metrics)
+
+    yield make
+    await started.stop()
+
+
+async def test_finals_go_before_request_windows_queued_earlier(rig_factory) -> None:
+    rig = rig_factory(cap=2)
+    blocker = await rig.blocker(22)  # another padded length: it decodes apart
+    early = [f for i in range(4) for f in rig.batcher.submit(f"j{i}", [tagged_window(i, 3)], EN)]
+    final = rig.batcher.submit("live", [tagged_window(100, 3)], EN, urgency=Urgency.LIVE_FINAL)
+    rig.fake.gate.set()
+    results = await gather([*blocker, *early, *final])
+    assert [r.text for r in results] == ["w999", "w0", "w1", "w2", "w3", "w100"]
+    after = [tags for tags in rig.calls() if 999 not in tags]
+    assert sorted(after[0]) == [0, 100]  # the first call after the blocker, filled with the rest
+    decodes = [tags for tags in rig.calls("decode") if 999 not in tags]
+    assert 100 in decodes[0]
+
+
+async def test_interims_are_shed_when_superseded_never_finals(rig_factory) -> None:
+    rig = rig_factory()
+    blocker = await rig.blocker()
+    old = rig.batcher.submit("live", [tagged_window(1, 2)], EN, urgency=Urgency.LIVE_INTERIM)
+    final = rig.batcher.submit("live", [tagged_window(2, 4)], EN, urgency=Urgency.LIVE_FINAL)
+    new = rig.batcher.submit("live", [tagged_window(3, 2)], EN, urgency=Urgency.LIVE_INTERIM)
+    assert old[0].done() and isinstance(old[0].exception(), Shed)  # at once, not at the engine
+    assert not final[0].done()
+    rig.fake.gate.set()
+    results = await gather([*blocker, *old, *final, *new])
+    assert isinstance(results[1], Shed)
+    assert [r.text for r in (results[2], results[3])] == ["w2", "w3"]
+    assert rig.shed() == 1
+    assert all(1 not in tags for tags in rig.calls())  # the shed window never reached the engine
+
+
+async def test_interims_are_shed_when_behind_never_finals(rig_factory) -> None:
+    rig = rig_factory(interim_max_wait_ms=20)
+    blocker = await rig.blocker()
+    interim = rig.batcher.submit("a", [tagged_window(1, 2)], EN, urgency=Urgency.LIVE_INTERIM)
+    final = rig.batcher.submit("b", [tagged_window(2, 2)], EN, urgency=Urgency.LIVE_FINAL)
+    await asyncio.sleep(0.05)  # both wait longer than the interim bound behind the blocker
+    rig.fake.gate.set()
+    results = await gather([*blocker, *interim, *final])
+    assert isinstance(results[1], Shed)
+    assert results[2].text == "w2"
+    assert rig.shed() == 1
+
+
+async def test_a_redo_does_not_delay_the_other_windows_of_its_batch(rig_factory) -> None:
+    """A looping window's 30 s fallback runs as a call of its own, after its decoder batch has
+    answered every other window; an interim that loops keeps its first pass."""
+    rig = rig_factory(cap=8, workers=2, fake=FakeStagedEngine(workers=2))
+    rig.fake.loops = {5, 7}
+    rig.fake.redo_gate.clear()
+    futs = [f for i in (1, 2, 3, 5) for f in rig.batcher.submit(f"j{i}", [tagged_window(i, 3)], EN)]
+    others = await gather(futs[:3])  # answered while the redo is held
+    assert [r.text for r in others] == ["w1", "w2", "w3"]
+    assert not futs[3].done()
+    assert rig.calls("decode") == [[1, 2, 3, 5]]
+    rig.fake.redo_gate.set()
+    [looped] = await gather(futs[3:])
+    assert looped.text == "redo5" and not looped.redo
+    assert rig.calls("redo") == [[5]]
+    [interim] = await gather(rig.batcher.submit("live", [tagged_window(7, 3)], EN,
+                                                urgency=Urgency.LIVE_INTERIM))
+    assert interim.text == "w7" and not interim.redo
+    assert rig.calls("redo") == [[5]]
+    assert rig.batcher.pending() == 0
+
+
+@pytest.mark.parametrize("reserved", [1, 0])
+async def test_a_short_request_gets_a_worker_beside_a_long_upload(rig_factory, reserved) -> None:
+    """Two workers, a long upload whose calls do not end: with a worker reserved, the upload
+    holds one and a short request runs on the other; without, it holds both."""
+    fake = HeldLong(workers=2)
+    rig = rig_factory(cap=8, workers=2, fake=fake, reserved_slots=reserved)
+    long = rig.batcher.submit("long", [tagged_window(LONG + k, 30, start=30.0 * k)
+                                       for k in range(12)], EN, job_windows=40)
+    for _ in range(1 if reserved else 2):  # without a reserved worker the upload takes both
+        await asyncio.to_thread(fake.long_entered.acquire, True, BOUND)
+    assert rig.batcher._policy.bulk_running == (1 if reserved else 2)
+    short = rig.batcher.submit("short", [tagged_window(1, 3)], EN)
+    if reserved:
+        [result] = await gather(short)  # while the long upload's call still runs
+        assert result.text == "w1"
+        assert rig.batcher._policy.bulk_running == 1  # and the upload still holds one worker
+    fake.long_gate.set()
+    results = await gather([*long, *short])
+    assert [r.text for r in results] == [*(f"w{LONG + k}" for k in range(12)), "w1"]
+    # Calls are recorded once past the gate: the short request's first only after a long
+    # one had ended, unless a worker was kept for it.
+    assert (rig.calls()[0] == [1]) == bool(reserved)
