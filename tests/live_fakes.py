@@ -51,7 +51,7 @@ class ScriptedDecoder:
         self.in_flight = 0
 
     async def __call__(self, audio: np.ndarray, options: LiveOptions, kind: Kind) -> Decoded:
-        from app.live.decoding import Shed
+        from app.windows import Shed
 
         self.calls.append((kind, audio.size / 16_000, options))
         self.in_flight += 1

@@ -102,6 +102,8 @@ class Batcher(EngineCalls):
             supersede(self._waiting(), job_id, self._shed_count)
         group = self._groups.setdefault(options, [])
         size = max(job_windows or 0, first_rank + len(windows))
+        if urgency is not Urgency.REQUEST or size <= self.cap:  # short or live: keep the reserve
+            self._policy.saw_light(time.monotonic())
         futures = []
         for k, w in enumerate(windows):
             fut: asyncio.Future[WindowResult] = loop.create_future()

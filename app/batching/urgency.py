@@ -14,7 +14,8 @@ waited ~8 s against 0.5 s idle. Two kinds of engine call held a worker for secon
   request waited for one of them to end (queue p50 2.1-3.5 s at load 6.5-9.7). Now *bulk* work
   (a long job's windows, redo calls) takes at most ``workers - reserved_slots`` workers
   (:class:`SlotPolicy`): the reserved worker is always free of it for short requests and live
-  windows. The price: a long upload alone runs on one worker of two on CPU.
+  windows, while such work has come in the last 30 s; a long upload alone still takes every
+  worker.
 
 What is left on the reserved worker is short work, and :class:`CostModel` bounds each such batch
 by its estimated engine seconds (``batch_cost_s``), not only by its count: a final that arrives
@@ -37,6 +38,7 @@ inside a batch); REQUEST windows keep the batcher's own fairness; live interim d
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Sequence
 
 from app.batching.stages import Item, Stage
@@ -111,15 +113,31 @@ class CostModel:
         return items
 
 
+LIGHT_RECENT_S = 30.0  # a short request or live window this recent keeps the reserve in force
+
+
 class SlotPolicy:
     """Bulk work (a long job's windows, redo calls) takes at most ``workers - reserved`` engine
-    workers, at least one: the rest stay free for short requests and live windows."""
+    workers, at least one, while short requests or live windows have come in the last
+    ``LIGHT_RECENT_S``: the rest stay free for them. With none that recent (a long upload or a
+    batch of them alone), bulk takes every worker: on 2 CPU cores a long upload on one worker
+    of two ran at 0.33 windows/s against 0.57 on both (loadtest/results/stall.json), a cost
+    worth paying only while someone is waiting for a quick answer. The first short request after
+    such a quiet spell waits at most for one bulk call to end (one window's encode or decode)."""
 
-    def __init__(self, reserved: int) -> None:
+    def __init__(self, reserved: int, recent_s: float = LIGHT_RECENT_S) -> None:
         self.reserved = reserved
+        self.recent_s = recent_s
         self.bulk_running = 0  # bulk batches dispatched and not finished
+        self.light_seen = float("-inf")  # monotonic time of the last short or live submission
 
-    def bulk_ok(self, workers: int) -> bool:
+    def saw_light(self, now: float) -> None:
+        self.light_seen = now
+
+    def bulk_ok(self, workers: int, now: float | None = None) -> bool:
+        now = time.monotonic() if now is None else now
+        if now - self.light_seen > self.recent_s:
+            return self.bulk_running < workers
         return self.bulk_running < max(1, workers - self.reserved)
 
     @staticmethod

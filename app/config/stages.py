@@ -167,7 +167,8 @@ class BatcherSettings(BaseModel):
         "windows, a looping window's 30 s fallback) for short requests and live windows; bulk "
         "takes the others, at least one. Beside a 20-minute upload a new request waited for one "
         "of its calls on every worker (queue p50 2.1-3.5 s at load 6.5-9.7; app/batching/"
-        "urgency.py). The price: a long upload alone runs on workers - this.",
+        "urgency.py). In force while short or live work came in the last 30 s; a long upload "
+        "alone takes every worker.",
     )
     batch_cost_s: float = Field(
         3.0, ge=0, le=600,

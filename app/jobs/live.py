@@ -41,13 +41,13 @@ from app.jobs.door import LiveCall, LiveEnd
 from app.jobs.intake import new_job_id
 from app.jobs.store import JobStore
 from app.jobs.webhooks import check_callback_url
-from app.live.decoding import Decode, Decoded, Kind, LiveOptions, Shed, batcher_decoder
+from app.live.decoding import Decode, Decoded, Kind, LiveOptions, batcher_decoder
 from app.live.events import ErrorEvent
 from app.live.protocol import ProtocolError
 from app.live.session import LiveItem, LiveSession, VadModel, serve
 from app.metrics import Metrics
 from app.net.outbound import OutboundGuard
-from app.windows import JobOptions
+from app.windows import JobOptions, Shed
 
 log = logging.getLogger(__name__)
 LIVE_THREADS = 2  # audio work of every session: ~1 ms of Silero per 100 ms append on this CPU

@@ -14,9 +14,9 @@ Adapters:
 * :func:`engine_decoder`: straight to an engine runner (``EngineRunner.run`` /
   ``EnginePool.run``): no batching; tests and the single-stream bench.
 * :func:`batcher_decoder`: through the service's shared cross-request batcher, each decode a
-  one-window job, so live turns share batches with uploads. Today's batcher has no priorities:
-  phase B gives finals a class of their own (first in a batch, never shed) and interim decodes a
-  droppable one (shed, by raising :class:`Shed`, when the batcher falls behind).
+  one-window job, so live turns share batches with uploads: finals as ``Urgency.LIVE_FINAL``
+  (first in every choice, never shed), interim decodes as ``LIVE_INTERIM`` (shed, their future
+  raising :class:`~app.windows.Shed`, when superseded or behind; app/batching/urgency.py).
 """
 
 from __future__ import annotations
@@ -24,12 +24,11 @@ from __future__ import annotations
 import itertools
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
-import app.windows as windows
-from app.windows import SAMPLE_RATE, DecodeOptions, Prompt, Window, WindowResult
+from app.windows import SAMPLE_RATE, DecodeOptions, Prompt, Urgency, Window, WindowResult
 
 if TYPE_CHECKING:
     from app.batching.batcher import Batcher
@@ -38,24 +37,11 @@ Kind = Literal["interim", "final"]
 RunWindows = Callable[[Sequence[Window], DecodeOptions], Awaitable[list[WindowResult]]]
 
 
-class _Shed(Exception):
-    """An interim decode the decoder chose not to run (it fell behind): skipped, not an error."""
-
-
-# The batcher's priority classes (branch ``batchprio``) bring ``app.windows.Shed``: the exception
-# a shed interim window's future gets. Once it exists it *is* this module's Shed, so the session
-# catches what the batcher raises; until then a local class stands in (nothing raises it).
-Shed: type[Exception] = getattr(windows, "Shed", None) or _Shed
-
-
-def urgency(kind: Kind) -> dict[str, Any]:
-    """THE ONE PLACE the live path states a decode's urgency to the batcher (``batchprio``):
-    ``submit(..., urgency=Urgency.LIVE_FINAL)`` for a turn's final, ``LIVE_INTERIM`` (droppable)
-    for an interim. Today's batcher has no ``Urgency`` and takes no such argument: nothing."""
-    classes = getattr(windows, "Urgency", None)
-    if classes is None:
-        return {}
-    return {"urgency": classes.LIVE_FINAL if kind == "final" else classes.LIVE_INTERIM}
+def urgency(kind: Kind) -> Urgency:
+    """The one place the live path states a decode's urgency to the batcher: a turn's final is
+    latency-critical (``LIVE_FINAL``: first in every choice, never shed), an interim droppable
+    (``LIVE_INTERIM``: shed when superseded or behind, its future raising :class:`Shed`)."""
+    return Urgency.LIVE_FINAL if kind == "final" else Urgency.LIVE_INTERIM
 
 
 @dataclass(frozen=True)
@@ -108,7 +94,7 @@ def batcher_decoder(batcher: Batcher, session_id: str, owner: str | None = None,
     async def decode(audio: np.ndarray, options: LiveOptions, kind: Kind) -> Decoded:
         job = f"live-{session_id}-{kind}-{next(counter)}"
         [fut] = batcher.submit(job, [options.window(audio)], key, job_windows=1, owner=owner,
-                               **urgency(kind))
+                               urgency=urgency(kind))
         # Cancelling the awaiting task cancels ``fut`` too, and the batcher skips a window whose
         # future is done: an interim decode given up on costs nothing once it is dropped.
         return _decoded(await fut)

@@ -36,7 +36,7 @@ from app.errors import ServiceError
 from app.live.agreement import Agreement
 from app.live.audio import AudioDecoder, BadAudio, ChunkBuffer, b64decode
 from app.live.config import LiveLimits, SessionConfig, wall_clock
-from app.live.decoding import Decode, Kind, LiveOptions, Shed
+from app.live.decoding import Decode, Kind, LiveOptions
 from app.live.events import (
     Cleared,
     Committed,
@@ -54,7 +54,7 @@ from app.live.events import (
 )
 from app.live.protocol import Append, Clear, Commit, ProtocolError, SessionUpdate, parse_client_event
 from app.live.turns import Edge, ProbabilityStream, SileroTurns
-from app.windows import N_SAMPLES, SAMPLE_RATE
+from app.windows import N_SAMPLES, SAMPLE_RATE, Shed
 
 log = logging.getLogger(__name__)
 MIN_COMMIT = SAMPLE_RATE // 10  # OpenAI refuses to commit less than 100 ms
