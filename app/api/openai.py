@@ -44,7 +44,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.routing import Match
+from starlette.routing import compile_path
 
 from app.api import idempotency, openai_stream
 from app.api.deps import Caller, caller, cue_form, door, ready_door
@@ -344,8 +344,10 @@ def _unfinished(job_id: str, row: JobView | None, headers: dict[str, str]) -> Re
                   include_in_schema=False)
 async def unknown(request: Request) -> Response:
     """Unknown /v1 paths (404) and methods (405) answer in OpenAI's shape too."""
-    allowed = {m for r in router.routes if isinstance(r, APIRoute) and r.name != "unknown"
-               and r.matches(request.scope)[0] == Match.PARTIAL for m in r.methods or ()}
+    # The methods the OpenAPI description lists for this path, whichever router serves it (the
+    # realtime one's client_secrets too): FastAPI 0.165 no longer flattens included routers.
+    allowed = {m.upper() for template, ops in request.app.openapi()["paths"].items()
+               if compile_path(template)[0].match(request.url.path) for m in ops}
     if allowed:
         return openai_error(405, f"Method {request.method} not allowed for {request.url.path}",
                             code="method_not_allowed", headers={"Allow": ", ".join(sorted(allowed))})

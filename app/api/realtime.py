@@ -22,6 +22,7 @@ from starlette.websockets import WebSocketDisconnect
 
 from app.api.deps import Caller, caller
 from app.api.middleware.secrets import SUBPROTOCOL_KEY, ClientSecrets
+from app.api.schemas import ErrorBody
 from app.jobs.door import Door, LiveCall
 
 router = APIRouter(tags=["live"])
@@ -79,7 +80,8 @@ async def realtime(ws: WebSocket, intent: str | None = None,
         await ws.close(end.code)
 
 
-@router.post("/v1/realtime/client_secrets")
+@router.post("/v1/realtime/client_secrets",
+             responses={c: {"model": ErrorBody} for c in (400, 401, 403, 422)})
 async def client_secrets(
     request: Request, who: Annotated[Caller, Depends(caller)],
     body: Annotated[dict[str, Any] | None, Body()] = None,
