@@ -42,7 +42,9 @@ def missing(what: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def browser() -> Iterator[Any]:
+def pw() -> Iterator[Any]:
+    """One Playwright per module: a second sync_playwright() while one is open fails ("Sync API
+    inside the asyncio loop")."""
     try:
         from playwright.sync_api import sync_playwright
     except ImportError:
@@ -50,9 +52,14 @@ def browser() -> Iterator[Any]:
     if not (CHROMIUM.is_file() or shutil.which(str(CHROMIUM))):
         missing(f"no chromium at {CHROMIUM} (apt-get install chromium)")
     with sync_playwright() as p:
-        b = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
-        yield b
-        b.close()
+        yield p
+
+
+@pytest.fixture(scope="module")
+def browser(pw: Any) -> Iterator[Any]:
+    b = pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS)
+    yield b
+    b.close()
 
 
 @pytest.fixture(scope="module")
@@ -135,11 +142,11 @@ def test_upload_follow_read_and_download(browser: Any, keyed: Server, clips: lis
 
 
 def test_the_microphone_streams_live_and_its_words_appear(keyed: Server, clips: list[Clip],
-                                                          tmp_path: Path) -> None:
+                                                          pw: Any, tmp_path: Path) -> None:
     """The page's live button in Chromium, its microphone a corpus clip (Chromium's fake
     capture device plays a WAV file): a client secret, the WebSocket, the AudioWorklet at
     24 kHz, server VAD; the clip's words appear on the page as a final turn."""
-    from playwright.sync_api import expect, sync_playwright
+    from playwright.sync_api import expect
 
     from app.audio import decode
 
@@ -153,13 +160,11 @@ def test_the_microphone_streams_live_and_its_words_appear(keyed: Server, clips: 
         w.setsampwidth(2)
         w.setframerate(16_000)
         w.writeframes((np.clip(audio, -1, 1) * 32767).astype("<i2").tobytes())
-    if not (CHROMIUM.is_file() or shutil.which(str(CHROMIUM))):
-        missing(f"no chromium at {CHROMIUM} (apt-get install chromium)")
     mic = ["--use-fake-device-for-media-stream", "--use-fake-ui-for-media-stream",
            f"--use-file-for-fake-audio-capture={wav}%noloop",
            "--autoplay-policy=no-user-gesture-required"]
-    with sync_playwright() as p:
-        browser = p.chromium.launch(executable_path=str(CHROMIUM), args=ARGS + mic)
+    browser = pw.chromium.launch(executable_path=str(CHROMIUM), args=ARGS + mic)
+    try:
         context = browser.new_context()
         context.grant_permissions(["microphone"], origin=keyed.url)
         page = context.new_page()
@@ -178,4 +183,5 @@ def test_the_microphone_streams_live_and_its_words_appear(keyed: Server, clips: 
         page.click("#mic")  # stop: the session closes and is kept as a job
         assert wer([clip.reference], [text]) < 0.3, text
         assert page.inner_text("#live-error") == "" and errors == []
+    finally:
         browser.close()

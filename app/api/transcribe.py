@@ -180,6 +180,12 @@ async def transcribe(
 ) -> JSONResponse:
     # A key already known was answered before the body was read (idempotency.IdempotencyGate).
     key = idempotency.parse_key(idempotency_key)
+    # The form takes 1 + MAX_KNOWN files (the references), but one audio file: FastAPI would keep
+    # the last of several silently. The parsed form is cached: this reads nothing again.
+    sent = len((await request.form()).getlist("file"))
+    if sent > 1:
+        raise BadRequest(f"one audio file per request: {sent} files were sent", field="file",
+                         headers=NO_RETRY)
     options = decode_options(d.settings, language, task, beam_size, initial_prompt, temperature,
                              word_timestamps, hotwords, language_detection)
     options = speaker_options(d, options, diarize, num_speakers, min_speakers, max_speakers,
