@@ -77,6 +77,13 @@ def check_once(out: Path, clips: list[Clip]) -> list[dict[str, Any]]:
     return rows
 
 
+def short_rows(corpus: list[Clip], n: int) -> list[Clip]:
+    """The first ``n`` clips of at most 12 s, in manifest order: the kill and replica tests need
+    rows done, in flight and not sent when the kill lands, not minutes of audio (the first 40
+    rows held three clips of 53-60 s)."""
+    return [c for c in corpus if c.duration_s <= 12][:n]
+
+
 def submitted_jobs(out: Path) -> list[str]:
     ck = out.with_name(out.name + ".checkpoint")
     return [json.loads(x)["job"] for x in ck.read_text().splitlines() if '"submitted"' in x]
@@ -126,7 +133,7 @@ def test_client_killed_halfway_resumes_exactly_once(server: Server, corpus: list
     """On the shared service: what it made and finished is counted from this test's start (the
     store's rows created since, the done counter's growth)."""
     since, done_before = time.time(), finished_done(server)
-    clips = corpus[:40]
+    clips = short_rows(corpus, 24)
     manifest, out = nemo_manifest(clips, tmp_path / "m.jsonl"), tmp_path / "out.jsonl"
     # Few files in flight, so that the kill finds rows done, rows in flight and rows not sent.
     cmd = dataset_cmd(manifest, out, [server], "--max-in-flight", "8")
@@ -152,7 +159,7 @@ def test_service_killed_and_restarted_the_client_carries_on(
         make_server: type[Server], corpus: list[Clip], tmp_path: Path) -> None:
     data = tmp_path / "svc"
     srv = make_server(data).start()
-    clips = corpus[:40]
+    clips = short_rows(corpus, 24)
     out = tmp_path / "out.jsonl"
     client = subprocess.Popen(dataset_cmd(nemo_manifest(clips, tmp_path / "m.jsonl"), out, [srv],
                                           "--max-in-flight", "12"),
@@ -188,7 +195,7 @@ def test_two_replicas_on_postgres_fed_by_one_client(make_server: type[Server], c
     env = {"BATCHSCRIBE_STORAGE__DATABASE_URL": pg_url, "BATCHSCRIBE_MODEL__NUM_WORKERS": "1"}
     a = make_server(shared, env={**env, "BATCHSCRIBE_STORAGE__REPLICA_ID": "replica-a"}).start()
     b = make_server(shared, env={**env, "BATCHSCRIBE_STORAGE__REPLICA_ID": "replica-b"}).start()
-    clips = corpus[:30]
+    clips = short_rows(corpus, 16)
     out = tmp_path / "out.jsonl"
     p = run_client(dataset_cmd(nemo_manifest(clips, tmp_path / "m.jsonl"), out, [a, b]))
     assert p.returncode == 0, p.stderr + a.log() + b.log()

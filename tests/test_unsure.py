@@ -61,7 +61,10 @@ def window(clip_id: str, language: str) -> Window:
 @pytest.fixture(scope="module")
 def corpus_windows() -> list[tuple[str, Window]]:
     out = []
-    for clip_id, path, language in multilingual():
+    # Every other clip of the 36, still each of the 11 languages' sets in turn: half the engine
+    # time (this module's set-up was the suite's slowest), and still ~10 windows translate
+    # unsure at beam 1 (21 of 36 measured on all of them) where the tests need 3.
+    for clip_id, path, language in multilingual()[::2]:
         for w in prepare(path, SileroVad(), 3600)[1]:
             w.prompt = Prompt(language=language)
             out.append((clip_id, w))
