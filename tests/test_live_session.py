@@ -166,6 +166,18 @@ async def test_shed_interim_decodes_send_nothing_and_the_final_still_comes() -> 
     assert session.counts["interim_shed"] >= 2
 
 
+async def test_interims_back_off_while_shed_and_recover() -> None:
+    """Shed interims double the interval (1, 2, 4, 8 s of new audio): 12 s of speech asks for
+    about 11 interims when each is answered, and only a few while each is shed."""
+    answered = ScriptedDecoder()
+    await run_script(appends(np.concatenate([speech(12.0), silence(1.0)])), decoder=answered)
+    shed = ScriptedDecoder()
+    shed.shed = True
+    await run_script(appends(np.concatenate([speech(12.0), silence(1.0)])), decoder=shed)
+    asked = [sum(k == "interim" for k, _, _ in d.calls) for d in (answered, shed)]
+    assert asked[0] >= 10 and asked[1] <= 4, asked
+
+
 async def test_transcription_options_reach_the_decoder() -> None:
     dec = ScriptedDecoder()
     update = event("session.update", session={"type": "transcription", "audio": {"input": {

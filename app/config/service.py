@@ -250,7 +250,8 @@ class LiveSettings(BaseModel):
     than real time is slowed to the engine's pace (the socket is no longer read), not buffered."""
 
     max_sessions: int = Field(32, ge=0, description="Open sessions on this replica (0: live off).")
-    max_sessions_per_key: int = Field(8, ge=1, description="Open sessions per API key.")
+    max_sessions_per_key: int = Field(16, ge=1, description="Open sessions per API key (without "
+                                      "keys, every session is the one anonymous key's).")
     max_event_bytes: int = Field(15 * 1024 * 1024, ge=1024,
                                  description="Largest client message (OpenAI's append bound).")
     max_buffer_s: float = Field(120.0, gt=0, description="Manual mode: uncommitted audio kept.")

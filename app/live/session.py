@@ -1,23 +1,21 @@
-"""One live transcription session: OpenAI's Realtime transcription protocol as a state machine,
-independent of the transport.
+"""One live session: OpenAI's Realtime transcription protocol as a transport-free state machine.
 
-The transport (phase B: the ``/v1/realtime`` WebSocket route) only moves messages::
+The transport (the ``/v1/realtime`` WebSocket route, app/api/realtime.py) only moves messages::
 
     session = LiveSession(decode, vad, limits, executor)
     reason = await serve(session, receive, send)   # receive() -> str | bytes | None (gone)
                                                    # send(event dict); then close the socket
 
-``run`` sends ``session.created``, handles each client message in order, and ends when
-``receive`` returns None (the client left), on the idle or total-duration limit (an ``error``
-event first), or when cancelled. Whatever way it ends, an open turn is committed and every
-turn's final decode is awaited, so :attr:`LiveSession.items` holds everything said (phase B
-keeps it as a job). Bad input never ends the session: it is answered with an ``error`` event.
+``run`` handles each client message in order and ends when the client leaves, on the idle or
+total limit (an ``error`` first), or when cancelled; however it ends, an open turn is committed
+and every final awaited, so :attr:`LiveSession.items` holds everything said (kept as a job).
+Bad input never ends the session: it is answered with an ``error`` event.
 
 Audio work (base64, G.711, resampling, Silero) runs in ``executor``, never on the event loop;
-decodes go through the :class:`~app.live.decoding.Decode` awaitable. Turns, interim text and the
-event order are described in app/live/turns.py, app/live/agreement.py and app/live/events.py.
-A client sending faster than real time is slowed, not buffered: an append waits while
-``max_pending_finals`` turns of the session are decoding (the socket then stops being read).
+decodes go through :class:`~app.live.decoding.Decode`. Turns, interim text and the event order:
+app/live/turns.py, agreement.py, events.py.
+A client faster than real time is slowed, not buffered: an append waits while
+``max_pending_finals`` turns are decoding (the socket is then not read).
 """
 
 from __future__ import annotations
@@ -110,6 +108,7 @@ class LiveSession:
         self._turns = self._new_turns()
         self._finals: set[asyncio.Task[None]] = set()
         self._last_final: asyncio.Task[None] | None = None
+        self._backoff = 1  # interim interval multiplier: doubled when the batcher sheds one
         self._last_item: str | None = None
 
     # ---- the transport's side -----------------------------------------------------------------
@@ -157,7 +156,6 @@ class LiveSession:
             self._error(ProtocolError(f"Internal error: {type(exc).__name__}", code="server_error",
                                       type="server_error"))
 
-    # ---- client events ------------------------------------------------------------------------
     def _update(self, ev: SessionUpdate) -> None:
         old_td = self.config.turn_detection
         fmt_changed, td_changed = self.config.apply(ev.session)
@@ -238,7 +236,7 @@ class LiveSession:
         t = self._turn
         assert t is not None
         self._turn, t.closed = None, True
-        if t.interim is not None:
+        if t.interim is not None:  # superseded by the final
             t.interim.cancel()
         if stopped:
             self._emit(SpeechStopped(audio_end_ms=ms(end), item_id=t.item_id))
@@ -284,8 +282,10 @@ class LiveSession:
 
     def _maybe_interim(self) -> None:
         t = self._turn
-        every = SAMPLE_RATE * self.limits.interim_interval_ms // 1000
+        every = SAMPLE_RATE * self.limits.interim_interval_ms * self._backoff // 1000
         if t is None or every <= 0 or (t.interim is not None and not t.interim.done()):
+            return
+        if self._finals:  # a final of this session is decoding: it goes first, no interim beside
             return
         if self._buf.end - max(t.start, t.interim_upto) < every or self._buf.end - t.start > N_SAMPLES:
             return
@@ -296,11 +296,15 @@ class LiveSession:
         try:
             text = await self._decoded(audio, self._options(), "interim")
         except Shed:
+            # Behind: ask less (every 1, 2, 4, 8 intervals) until an interim is answered. On 2
+            # cores, 8 streams' interims each second left finals waiting (p95 12 s at N = 8).
             self.counts["interim_shed"] += 1
+            self._backoff = min(self._backoff * 2, 8)
             return
         except Exception as exc:  # only the final's text matters; say it in the log
             log.warning("live session %s: interim decode failed: %s", self.id, exc)
             return
+        self._backoff = max(1, self._backoff // 2)
         if t.closed:
             return
         delta = t.agreement.interim(text)
@@ -311,7 +315,6 @@ class LiveSession:
         self.counts[kind] += 1
         return (await self._decode(audio, opts, kind)).text
 
-    # ---- plumbing -----------------------------------------------------------------------------
     def _ingest(self, payload: str) -> tuple[np.ndarray, list[Edge]]:
         """Executor side: base64, format, resampling, VAD (this session's state only)."""
         samples = self._audio.decode(b64decode(payload))
@@ -377,9 +380,8 @@ class LiveSession:
 
 async def serve(session: LiveSession, receive: Receive,
                 send: Callable[[dict[str, Any]], Awaitable[None]]) -> str:
-    """Run ``session`` over a transport: its events go out through ``send`` in order (one
-    writer), while :meth:`LiveSession.run` reads. Returns why the session ended; a failing
-    ``send`` (the client went away) drops the rest of the events, never the session's work."""
+    """Run ``session`` over a transport: events go out through ``send`` in order while ``run``
+    reads; returns why it ended. A failing ``send`` drops events, never the session's work."""
 
     async def write() -> None:
         failed = False
