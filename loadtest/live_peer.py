@@ -206,7 +206,12 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in r.items() if k not in ("texts", "log_tail")}),
                       flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps({"model": model, "results": results}, indent=1))
+    from loadtest.common import machine_info
+
+    machine = machine_info()
+    args.out.write_text(json.dumps({"commit": machine["git"], "clean_tree": machine["git_clean"],
+                                    "machine": machine, "model": model, "results": results},
+                                   indent=1))
 
 
 if __name__ == "__main__":
