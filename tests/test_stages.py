@@ -111,8 +111,10 @@ async def test_windows_to_encode_do_not_wait_for_a_fuller_batch(rig_factory) -> 
 async def test_a_long_upload_runs_both_stages_in_one_call(rig_factory) -> None:
     """An upload with more windows than a batch holds fills batches by itself: it skips the
     pool, so a short request beside it is not held behind its decodes. It takes one worker of
-    two (``reserved_slots``, app/batching/urgency.py): the other is kept for the short one."""
+    two (``reserved_slots``, app/batching/urgency.py) while short requests come in: the other is
+    kept for the short one."""
     rig = rig_factory(cap=8, workers=2)
+    await gather(rig.batcher.submit("earlier", [tagged_window(9, 4)], EN))  # short work, recent
     rig.fake.gate.clear()
     long_futs = rig.batcher.submit("long", [tagged_window(100 + i, 30) for i in range(10)], EN)
     await rig.hold(1)
