@@ -87,6 +87,10 @@ class Items:
 
     def _finalise(self, out: Outcome, stream: Stream, now: float, tolerance: float) -> None:
         spans = [self.span[i] for i in self.done if i in self.span]
+        for start, end in spans:
+            out.heard.update(k for k, u in enumerate(stream.utterances)
+                             if start is not None and start < u.end_s
+                             and (end is None or end > u.start_s))
         ends = [s[1] for s in spans if s[1] is not None]
         starts = [s[0] for s in spans if s[0] is not None]
         for k, u in enumerate(stream.utterances):

@@ -10,8 +10,23 @@ has its own order (seed + stream number), so N streams never speak in lockstep.
 no chunk leaves before its audio would have been spoken, and lateness never accumulates (each
 send waits for its own deadline, not for 0.1 s after the previous one).
 
-**Turn latency**: from the send time of the chunk holding an utterance's last sample (the
-moment the speaker's last word reached the service) to the first message that finalises it.
+**Where an utterance's speech is**: its clip's first and last 10 ms frame within
+``SPEECH_DB`` of the clip's loudest frame (:func:`speech_bounds`: plain energy, the same for
+both benches, not either service's VAD). Clips end with up to 1.8 s of near silence (30 of the
+74 live clips more than 0.5 s; the MFA recordings most): measured from the clip's file end, a
+turn the VAD rightly ended at the last word looked "not yet final" until the stream's next
+utterance finished, seconds later (before 2026-11-27 both benches counted so).
+
+**Heard**: an utterance some completed text overlaps (a turn's span for batchscribe, a
+completed segment's for WhisperLive). One that none overlaps was not heard: the service's VAD
+took it for silence (Silero at the client's threshold 0.5 misses the corpus's whispered,
+falsetto and creaky MFA clips), so it has no turn to time; it is counted as ``not_heard``, its
+words are missing from the WER, and ``turn_latency_with_not_heard`` keeps the older reading
+(such an utterance "finalised" when a later turn passed it).
+
+**Turn latency**: from the send time of the chunk holding an utterance's last speech sample
+(the moment the speaker's last word reached the service) to the first message that finalises
+it.
 **Interim**: an utterance of >= 4 s got interim text if some non-final text covering it
 arrived before that same moment. WER: app.scoring (the project's one scorer) over the streams,
 each stream's finalised text against its utterances' references.
@@ -39,12 +54,26 @@ LONG_TURN_S = 4.0
 SKIP_SETS = ("commonvoice_single_word",)
 
 
+SPEECH_DB = -35.0  # a 10 ms frame this close to the clip's loudest frame is speech
+
+
+def speech_bounds(audio: np.ndarray) -> tuple[float, float]:
+    """Seconds from the clip's start to its first and last speech frame (see the module doc)."""
+    frame = RATE // 100
+    n = audio.size // frame
+    if n == 0:
+        return 0.0, audio.size / RATE
+    rms = np.sqrt((audio[:n * frame].reshape(n, frame).astype(np.float64) ** 2).mean(1) + 1e-12)
+    speech = np.flatnonzero(20 * np.log10(rms / rms.max()) > SPEECH_DB)
+    return float(speech[0] * frame / RATE), float((speech[-1] + 1) * frame / RATE)
+
+
 @dataclass(frozen=True)
 class Utterance:
     clip_id: str
     reference: str
-    start_s: float  # stream time
-    end_s: float
+    start_s: float  # stream time of its first speech frame
+    end_s: float  # stream time of its last speech frame (not the clip's end: see the module doc)
 
     @property
     def spoken_at(self) -> float:
@@ -64,6 +93,7 @@ class Outcome:
 
     final_at: dict[int, float] = field(default_factory=dict)  # utterance -> wall time finalised
     interim_before_end: set[int] = field(default_factory=set)
+    heard: set[int] = field(default_factory=set)  # utterances some completed text overlaps
     text: str = ""  # everything finalised, in order
     errors: list[str] = field(default_factory=list)
     t0: float = 0.0  # wall time of stream time 0
@@ -95,7 +125,8 @@ def build_stream(clips: Sequence[Clip], seconds: float, seed: int, tail_s: float
             a = decode(Path(c.path), 60.0)
             if cache is not None:
                 cache[c.id] = a
-        utts.append(Utterance(c.id, c.reference, pos / RATE, (pos + a.size) / RATE))
+        first, last = speech_bounds(a)
+        utts.append(Utterance(c.id, c.reference, pos / RATE + first, pos / RATE + last))
         pause = np.zeros(int(rng.uniform(1.0, 2.0) * RATE), np.float32)
         parts += [a, pause]
         pos += a.size + pause.size
@@ -118,14 +149,19 @@ def chunks_of(samples: int) -> int:
 
 def score(streams: Sequence[Stream], outcomes: Sequence[Outcome]) -> dict[str, Any]:
     """Turn latency, utterances never finalised, interim text on long turns, WER."""
-    latencies, never, long_turns, long_interim = [], 0, 0, 0
+    latencies, every, never, not_heard, long_turns, long_interim = [], [], 0, 0, 0, 0
     for s, o in zip(streams, outcomes, strict=True):
         for k, u in enumerate(s.utterances):
             at = o.final_at.get(k)
-            if at is None:
+            late = None if at is None else at - (o.t0 + u.spoken_at)
+            if late is not None:
+                every.append(late)
+            if k not in o.heard:  # no turn covered it: nothing to time (see the module doc)
+                not_heard += 1
+            elif late is None:
                 never += 1
             else:
-                latencies.append(at - (o.t0 + u.spoken_at))
+                latencies.append(late)
             if u.end_s - u.start_s >= LONG_TURN_S:
                 long_turns += 1
                 long_interim += k in o.interim_before_end
@@ -134,6 +170,8 @@ def score(streams: Sequence[Stream], outcomes: Sequence[Outcome]) -> dict[str, A
         "utterances": sum(len(s.utterances) for s in streams),
         "turn_latency": latency_summary(latencies),
         "never_finalised": never,
+        "not_heard": not_heard,
+        "turn_latency_with_not_heard": latency_summary(every),
         "long_turns": long_turns,
         "long_turns_with_interim": long_interim,
         "interim_share": round(long_interim / long_turns, 3) if long_turns else None,

@@ -103,6 +103,8 @@ def _seen(out: Outcome, stream: Stream, completed: dict[str, tuple[float, float,
         st, en = float(seg["start"]), float(seg["end"])
         if seg.get("completed"):
             completed[seg["start"]] = (st, en, seg.get("text", ""))
+            out.heard.update(k for k, u in enumerate(stream.utterances)
+                             if st < u.end_s and en > u.start_s)
         for k, u in enumerate(stream.utterances):  # text over an utterance still being spoken
             if st < u.end_s and en > u.start_s and now < out.t0 + u.spoken_at:
                 out.interim_before_end.add(k)

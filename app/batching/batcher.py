@@ -35,6 +35,7 @@ from app.batching.urgency import (
     CostModel,
     SlotPolicy,
     has_final,
+    oldest_final,
     shed_stale,
     supersede,
     urgent_first,
@@ -233,13 +234,23 @@ class Batcher(EngineCalls):
             elif deadline is None or oldest + wait_s < deadline:
                 deadline = oldest + wait_s
         ready.sort(key=lambda r: r[:2])
-        first = bool(ready) and not ready[0][0]  # a final is queued: it goes before the pool
+        self._redo = [i for i in self._redo if not i.future.done()]
+        # Live finals in arrival order, wherever they wait: a final's fallback, an encoded final
+        # in the pool, a final still to encode (oldest_final). Measured at 16 streams (trace at
+        # 91694fb): a queued-finals-first rule left a final's 30 s fallback waiting 10-25 s
+        # behind a stream of newer finals, and an encoded one up to 7 s.
+        where = oldest_final(self._groups.values(), self._pool.groups.values(), self._redo)
+        if where == "redo":
+            item = next(i for i in self._redo if i.urgency is Urgency.LIVE_FINAL)
+            self._redo.remove(item)
+            self._in_flight += 1
+            return Batch("redo", item.options, [item]), None
+        first = where == "queue"  # a final is queued: it goes before the pool
         if self._stages is not None and not first:
             decode, due = self._pick_decode(now, idle=not ready)
             if decode is not None:
                 return decode, None
             deadline = min((d for d in (deadline, due) if d is not None), default=None)
-        self._redo = [i for i in self._redo if not i.future.done()]
         if self._redo and not first and self._policy.bulk_ok(self._slots.in_rotation):
             item = self._redo.pop(0)
             self._in_flight += 1
@@ -342,9 +353,14 @@ class Batcher(EngineCalls):
             elif self._slots.locked() and not self._small:
                 limit = min(limit, small)
         chosen = self._jobs.within_memory(ranked, limit)
-        if self._live and not any(self._policy.heavy(i, self.cap) for i in chosen):
-            chosen = self._cost.within("encode" if self._to_encode(chosen) else "run", chosen,
-                                       self._padded_s)
+        if self._live and self._to_encode(chosen):
+            # One window per encoder call while live windows are in: the encoder costs the same
+            # per window in a batch of one as of eight (see _to_encode), so a batch only makes
+            # its first windows wait for the others. Measured at 16 streams (91694fb): finals
+            # waited for encoder calls of 6-8 windows (1.9-2.7 s) before their own decode.
+            chosen = chosen[:1]
+        elif self._live and not any(self._policy.heavy(i, self.cap) for i in chosen):
+            chosen = self._cost.within("run", chosen, self._padded_s)
         self._in_flight += len(chosen)
         self._jobs.taken(chosen, small)
         taken = set(map(id, chosen))

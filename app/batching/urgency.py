@@ -57,6 +57,20 @@ def has_final(items: Iterable[Item]) -> bool:
     return any(i.urgency is Urgency.LIVE_FINAL and not i.future.done() for i in items)
 
 
+def oldest_final(queued: Iterable[Iterable[Item]], pooled: Iterable[Iterable[Item]],
+                 redo: Iterable[Item]) -> str | None:
+    """Where the live final that came first waits: ``"queue"`` (to encode), ``"pool"``
+    (encoded, for its decoder batch), ``"redo"`` (for its fallback call); None: no final."""
+    best: tuple[float, str] | None = None
+    for where, items in (("redo", redo), ("pool", (i for g in pooled for i in g)),
+                         ("queue", (i for g in queued for i in g))):
+        for i in items:
+            if i.urgency is Urgency.LIVE_FINAL and not i.future.done() \
+                    and (best is None or i.enqueued < best[0]):
+                best = (i.enqueued, where)
+    return None if best is None else best[1]
+
+
 def shed(item: Item, why: str, count: Callable[[], None]) -> None:
     if item.urgency is not Urgency.LIVE_INTERIM or item.future.done():
         return
