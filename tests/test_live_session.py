@@ -53,6 +53,31 @@ async def test_server_vad_turn_sends_openai_events_in_order_with_text_while_spea
     assert session.items[0].transcript == done["transcript"] and session.items[0].interim_text
 
 
+async def test_the_final_decode_starts_at_the_pause() -> None:
+    """The turn's final decode starts ``early_final_ms`` (200) into the silence, while the VAD
+    still waits out its 500 ms: one final decode, of the turn up to the pause, whose text is the
+    completed transcript. Off, the one final decode is of the whole turn (3.8 s)."""
+    audio = np.concatenate([silence(1.0), speech(3.0), silence(1.0)])
+    for early, low, high in ((200, 3.45, 3.65), (0, 3.75, 3.85)):
+        dec = ScriptedDecoder()
+        events, _, _ = await run_script(appends(audio), LiveLimits(early_final_ms=early), dec)
+        finals = [seconds for kind, seconds, _ in dec.calls if kind == "final"]
+        assert len(finals) == 1 and low <= finals[0] <= high, (early, finals)
+        assert events[-1]["transcript"] == "w0 w1 w2 w3 w4 w5"
+
+
+async def test_speech_after_a_pause_voids_the_early_final() -> None:
+    """A 350 ms gap (a pause, not the 500 ms end): the early decode started there is dropped
+    and the turn's final is the decode from its second pause, all the speech in it."""
+    audio = np.concatenate([silence(0.5), speech(1.5), silence(0.35), speech(1.5, seed=1),
+                            silence(1.0)])
+    dec = ScriptedDecoder()
+    events, _, _ = await run_script(appends(audio), decoder=dec)
+    assert sum(kind == "final" for kind, _, _ in dec.calls) == 2
+    done = [e for e in events if e["type"].endswith(".completed")]
+    assert len(done) == 1 and done[0]["transcript"] == "w0 w1 w2 w3 w4 w5"
+
+
 async def test_two_turns_complete_in_order_and_chain_their_items() -> None:
     audio = np.concatenate([speech(1.5), silence(1.0), speech(2.0, seed=1), silence(1.0)])
     events, _, _ = await run_script(appends(audio))

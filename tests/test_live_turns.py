@@ -85,3 +85,18 @@ def test_silero_finds_the_speech_of_a_corpus_clip() -> None:
     assert 0.6 * 16_000 <= edges[0].at <= 1.3 * 16_000
     end = 16_000 + speech.size
     assert end + 0.3 * 16_000 <= edges[-1].at <= end + 1.0 * 16_000
+
+
+def test_pause_and_resume_edges_for_an_early_final() -> None:
+    """With ``early_final_ms`` a silence that long inside a turn gives one ``pause`` edge;
+    speech coming back gives ``resume``; the stop follows its own pause. Off by default."""
+    d = TurnDetector(VadRules(silence_duration_ms=500, early_final_ms=200))
+    edges = d.feed(probs((0.9, 10), (0.0, 8), (0.9, 5), (0.0, 20)))
+    assert [e.kind for e in edges] == ["start", "pause", "resume", "pause", "stop"]
+    first, resume, second, stop = edges[1:]
+    assert first.speech_end == 10 * CHUNK and 3200 <= first.at - first.speech_end < 3200 + CHUNK
+    assert resume.at == 18 * CHUNK
+    assert second.speech_end == stop.speech_end == 23 * CHUNK and second.at < stop.at
+    plain = TurnDetector(VadRules(silence_duration_ms=500))
+    assert [e.kind for e in plain.feed(probs((0.9, 10), (0.0, 8), (0.9, 5), (0.0, 20)))] \
+        == ["start", "stop"]

@@ -44,7 +44,8 @@ from app.jobs.webhooks import check_callback_url
 from app.live.decoding import Decode, Decoded, Kind, LiveOptions, batcher_decoder
 from app.live.events import ErrorEvent
 from app.live.protocol import ProtocolError
-from app.live.session import LiveItem, LiveSession, VadModel, serve
+from app.live.session import LiveSession, VadModel, serve
+from app.live.turns import LiveItem
 from app.metrics import Metrics
 from app.net.outbound import OutboundGuard
 from app.windows import JobOptions, Shed

@@ -57,8 +57,9 @@ class SessionConfig:
         td = self.turn_detection
         if td is None:
             return None
+        early = limits.early_final_ms if limits.early_final_ms < td.silence_duration_ms else 0
         return VadRules(td.threshold, td.prefix_padding_ms, td.silence_duration_ms,
-                        limits.max_turn_s)
+                        limits.max_turn_s, early)
 
     def as_session(self, session_id: str, limits: LiveLimits, created: float) -> dict[str, Any]:
         """The session object of ``session.created`` / ``session.updated``."""

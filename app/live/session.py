@@ -21,17 +21,16 @@ A client faster than real time is slowed, not buffered: an append waits while
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 from collections.abc import Awaitable, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
 
 from app.audio.cut import pieces
 from app.errors import ServiceError
-from app.live.agreement import Agreement
 from app.live.audio import AudioDecoder, BadAudio, ChunkBuffer, b64decode
 from app.live.config import LiveLimits, SessionConfig, wall_clock
 from app.live.decoding import Decode, Kind, LiveOptions
@@ -51,7 +50,7 @@ from app.live.events import (
     new_id,
 )
 from app.live.protocol import Append, Clear, Commit, ProtocolError, SessionUpdate, parse_client_event
-from app.live.turns import Edge, ProbabilityStream, SileroTurns
+from app.live.turns import Edge, LiveItem, ProbabilityStream, SileroTurns, Turn
 from app.windows import N_SAMPLES, SAMPLE_RATE, Shed
 
 log = logging.getLogger(__name__)
@@ -66,29 +65,6 @@ class VadModel(Protocol):
 
 def ms(samples: int) -> int:
     return samples * 1000 // SAMPLE_RATE
-
-
-@dataclass(eq=False)
-class Turn:
-    item_id: str
-    start: int  # absolute sample where its audio begins
-    vad: bool  # opened by server VAD (speech_started was sent)
-    agreement: Agreement = field(default_factory=Agreement)
-    interim: asyncio.Task[None] | None = None
-    interim_upto: int = 0  # buffer end when the last interim decode was launched
-    closed: bool = False
-
-
-@dataclass
-class LiveItem:
-    """A committed turn, what ``completed`` (or ``failed``) said of it."""
-
-    item_id: str
-    start_ms: int
-    end_ms: int
-    transcript: str | None = None
-    error: str | None = None
-    interim_text: str = ""  # what was sent before the turn ended
 
 
 class LiveSession:
@@ -214,8 +190,9 @@ class LiveSession:
     def _clear(self) -> None:
         if self._turn is not None:
             self._turn.closed = True
-            if self._turn.interim is not None:
-                self._turn.interim.cancel()
+            for task in (self._turn.interim, self._turn.early):
+                if task is not None:
+                    task.cancel()
             self._turn = None
         if self._turns is not None:
             self._turns.detector.end_turn(self._buf.end)
@@ -224,15 +201,24 @@ class LiveSession:
 
     # ---- turns --------------------------------------------------------------------------------
     def _edge(self, e: Edge) -> None:
+        t = self._turn
         if e.kind == "start":
-            if self._turn is not None:  # a manual-mode turn the VAD now sees begin again
+            if t is not None:  # a manual-mode turn the VAD now sees begin again
                 return
             self._turn = Turn(new_id("item"), e.at, vad=True)
             self._emit(SpeechStarted(audio_start_ms=ms(e.at), item_id=self._turn.item_id))
-        elif self._turn is not None:  # speech_stopped only for a turn speech_started opened
-            self._close(e.at, stopped=self._turn.vad)
+        elif t is None:
+            return
+        elif e.kind == "pause" and t.vad and t.early is None:  # the final, early (turns.py)
+            audio = self._buf.slice(t.start, e.at)
+            t.early = asyncio.create_task(self._decoded(audio, self._options(), "final"))
+        elif e.kind == "resume" and t.early is not None:  # not over: the early decode is void
+            t.early.cancel()
+            t.early = None
+        elif e.kind == "stop":  # speech_stopped only for a turn speech_started opened
+            self._close(e.at, stopped=t.vad, at_pause=not e.forced)
 
-    def _close(self, end: int, stopped: bool) -> None:
+    def _close(self, end: int, stopped: bool, at_pause: bool = False) -> None:
         t = self._turn
         assert t is not None
         self._turn, t.closed = None, True
@@ -245,22 +231,30 @@ class LiveSession:
         self._last_item = t.item_id
         item = LiveItem(t.item_id, ms(t.start), ms(end), interim_text=t.agreement.text)
         self.items.append(item)
+        early, t.early = t.early, None
+        if early is not None and not at_pause:  # a commit or a cut: the audio ran on
+            early.cancel()
+            early = None
         task = asyncio.create_task(self._final(t, item, self._buf.slice(t.start, end),
-                                               self._last_final))
+                                               self._last_final, early))
         self._finals.add(task)
         task.add_done_callback(self._finals.discard)
         self._last_final = task
 
     async def _final(self, t: Turn, item: LiveItem, audio: np.ndarray,
-                     before: asyncio.Task[None] | None) -> None:
+                     before: asyncio.Task[None] | None, early: asyncio.Task[str] | None) -> None:
         opts = self._options()
         error: Exception | None = None
-        text = ""
+        text: str | None = None
+        if early is not None:  # started at the pause: the audio since is silence
+            with contextlib.suppress(Exception):
+                text = await early
         try:
-            got = await asyncio.gather(*(self._decoded(audio[a:b], opts, "final")
-                                         for a, b in pieces(0, audio.size)))
-            text = " ".join(s for s in (g.strip() for g in got) if s) if len(got) > 1 \
-                else (got[0] if got else "")
+            if text is None:
+                got = await asyncio.gather(*(self._decoded(audio[a:b], opts, "final")
+                                             for a, b in pieces(0, audio.size)))
+                text = " ".join(s for s in (g.strip() for g in got) if s) if len(got) > 1 \
+                    else (got[0] if got else "")
         except Exception as exc:
             error = exc
         if before is not None:  # completed events in turn order
@@ -275,7 +269,7 @@ class LiveSession:
             self._emit(TranscriptionFailed.of(t.item_id, public,
                                               code=getattr(error, "cause", None) or "server_error"))
             return
-        delta, item.transcript = t.agreement.final(text)
+        delta, item.transcript = t.agreement.final(text or "")
         if delta:
             self._emit(TranscriptionDelta(item_id=t.item_id, delta=delta))
         self._emit(TranscriptionCompleted.of(t.item_id, item.transcript, audio.size / SAMPLE_RATE))
@@ -285,7 +279,7 @@ class LiveSession:
         every = SAMPLE_RATE * self.limits.interim_interval_ms * self._backoff // 1000
         if t is None or every <= 0 or (t.interim is not None and not t.interim.done()):
             return
-        if self._finals:  # a final of this session is decoding: it goes first, no interim beside
+        if self._finals or t.early is not None:  # a final is decoding: no interim beside it
             return
         if self._buf.end - max(t.start, t.interim_upto) < every or self._buf.end - t.start > N_SAMPLES:
             return
@@ -366,8 +360,10 @@ class LiveSession:
             t = self._turn
             if t is not None and self._buf.end - t.start >= MIN_COMMIT:
                 self._close(self._buf.end, stopped=False)
-            elif t is not None and t.interim is not None:
-                t.interim.cancel()
+            elif t is not None:
+                for task in (t.interim, t.early):
+                    if task is not None:
+                        task.cancel()
             if self._finals:
                 await asyncio.gather(*self._finals, return_exceptions=True)
         except asyncio.CancelledError:

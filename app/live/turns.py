@@ -9,6 +9,11 @@ OpenAI's ``server_vad`` rules, on the probabilities of the service's own Silero 
 * it stops once ``silence_duration_ms`` have passed since the probability last fell below
   ``threshold - 0.15`` (Silero's hysteresis, as app/audio/spans.py) without rising back over
   ``threshold``; ``audio_end_ms`` is that moment (OpenAI: "includes the silence duration");
+* with ``early_final_ms`` (0: off), once the probability has stayed under ``threshold - 0.15``
+  that long inside a turn, a ``pause`` edge (at most one per pause) says the turn may be over,
+  and ``resume`` says it was not (the probability came back over ``threshold``): the session
+  starts the turn's final decode at the pause, so the engine works while the VAD still waits
+  out ``silence_duration_ms`` (the audio after the pause is silence by then, or it resumed);
 * a turn never outgrows Whisper's 30 s window (``max_turn_s``): it is cut at its last pause of
   >= 98 ms (the split rule of faster-whisper's VAD), or hard at the limit, and the next turn
   starts right there with no padding (the speech goes on).
@@ -19,12 +24,14 @@ session runs :meth:`SileroTurns.feed` in its executor (the model call is inferen
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import asyncio
+from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 import numpy as np
 
 from app.audio.spans import CHUNK
+from app.live.agreement import Agreement
 from app.windows import SAMPLE_RATE
 
 MIN_SPLIT_GAP = SAMPLE_RATE * 98 // 1000  # a pause a too-long turn may be cut at
@@ -32,9 +39,10 @@ MIN_SPLIT_GAP = SAMPLE_RATE * 98 // 1000  # a pause a too-long turn may be cut a
 
 @dataclass(frozen=True)
 class Edge:
-    kind: Literal["start", "stop"]
-    at: int  # start: where the turn's audio begins (padding included); stop: where it ends
-    speech_end: int | None = None  # stop: where the last speech chunk ended
+    kind: Literal["start", "stop", "pause", "resume"]
+    at: int  # start: where the turn's audio begins (padding included); stop: where it ends;
+    # pause / resume: where the probability had been low early_final_ms / came back
+    speech_end: int | None = None  # stop, pause: where the last speech chunk ended
     forced: bool = False  # stop: cut at max_turn_s, the next turn begins here
 
 
@@ -44,6 +52,7 @@ class VadRules:
     prefix_padding_ms: int = 300
     silence_duration_ms: int = 500
     max_turn_s: float = 29.5
+    early_final_ms: int = 0  # pause edges this long into a silence (0: none), see the module doc
 
 
 class ProbabilityStream(Protocol):
@@ -59,6 +68,8 @@ class TurnDetector:
         self.pad = SAMPLE_RATE * rules.prefix_padding_ms // 1000
         self.silence = SAMPLE_RATE * rules.silence_duration_ms // 1000
         self.max_turn = int(SAMPLE_RATE * rules.max_turn_s)
+        self.early = SAMPLE_RATE * rules.early_final_ms // 1000
+        self._paused = False  # a pause edge was sent for the current silence
         self.pos = at  # samples judged so far
         self.turn_start: int | None = in_turn_from  # the open turn's audio start
         self.floor = at  # no turn's audio starts before this (the last turn's end)
@@ -68,7 +79,7 @@ class TurnDetector:
     def end_turn(self, at: int) -> None:
         """The session ended the open turn at ``at`` (a commit, a clear): the next turn's audio
         starts after it."""
-        self.turn_start, self._below, self._gap = None, None, None
+        self.turn_start, self._below, self._gap, self._paused = None, None, None, False
         self.floor = max(self.floor, at)
 
     def feed(self, probs: np.ndarray) -> list[Edge]:
@@ -85,25 +96,33 @@ class TurnDetector:
                 return []
             self.turn_start = max(self.floor, at - self.pad)
             self._below = self._gap = None
+            self._paused = False
             return [Edge("start", self.turn_start)]
         out: list[Edge] = []
         if p >= r.threshold:
             if self._below is not None and at - self._below >= MIN_SPLIT_GAP:
                 self._gap = self._below
             self._below = None
+            if self._paused:
+                self._paused = False
+                out.append(Edge("resume", at))
         elif p < self.neg and self._below is None:
             self._below = at
         end = at + CHUNK
         if self._below is not None and end - self._below >= self.silence:
             out.append(Edge("stop", end, speech_end=self._below))
-            self.turn_start, self.floor = None, end
+            self.turn_start, self.floor, self._paused = None, end, False
             return out
+        if self.early and not self._paused and self._below is not None \
+                and end - self._below >= self.early:
+            self._paused = True
+            out.append(Edge("pause", end, speech_end=self._below))
         if end - self.turn_start >= self.max_turn:
             cut = self._gap if self._gap is not None and self._gap > self.turn_start else end
             out.append(Edge("stop", cut, speech_end=cut, forced=True))
             out.append(Edge("start", cut))
             self.turn_start, self.floor = cut, cut
-            self._gap = None
+            self._gap, self._paused = None, False
             if self._below is not None and self._below < cut:
                 self._below = cut
         return out
@@ -120,3 +139,27 @@ class SileroTurns:
 
     def feed(self, samples: np.ndarray) -> list[Edge]:
         return self.detector.feed(self._probs.feed(samples))
+
+
+@dataclass(eq=False)
+class Turn:
+    item_id: str
+    start: int  # absolute sample where its audio begins
+    vad: bool  # opened by server VAD (speech_started was sent)
+    agreement: Agreement = field(default_factory=Agreement)
+    interim: asyncio.Task[None] | None = None
+    interim_upto: int = 0  # buffer end when the last interim decode was launched
+    closed: bool = False
+    early: asyncio.Task[str] | None = None  # the final's decode, started at a pause
+
+
+@dataclass
+class LiveItem:
+    """A committed turn, what ``completed`` (or ``failed``) said of it."""
+
+    item_id: str
+    start_ms: int
+    end_ms: int
+    transcript: str | None = None
+    error: str | None = None
+    interim_text: str = ""  # what was sent before the turn ended
