@@ -69,9 +69,12 @@ class FakeEngine:
         self.gate = threading.Event()  # cleared: batches block until the test opens the gate
         self.gate.set()
         self.entered = threading.Semaphore(0)
+        self.started: list[int] = []  # each batch's size as it entered, before the gate
         self._lock = threading.Lock()
 
     def transcribe_batch(self, windows: Sequence[Window], options: DecodeOptions) -> list[WindowResult]:
+        with self._lock:
+            self.started.append(len(windows))
         self.entered.release()
         self.gate.wait(60)
         with self._lock:
