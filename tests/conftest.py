@@ -29,6 +29,53 @@ CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "cor
 READ_SPEECH = ("librispeech", "ljspeech", "librivox")
 
 
+# Test files that took >= 100 s under three pytest workers (junit times at 3b7121a): collected
+# first, so xdist's --dist loadfile (which hands out files in collection order) starts them
+# first and the run does not end waiting on one of them started late (longest first).
+HEAVY_FIRST = ("test_ray_model", "test_unsure", "test_dataset_model", "test_gpu_service",
+               "test_language", "test_crash", "test_accuracy", "test_postgres",
+               "test_default_beam", "test_decode_cap")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    def rank(item: pytest.Item) -> int:
+        name = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)
+
+    items.sort(key=rank)  # stable: a file's tests keep their order
+
+
+_cpu: dict[str, float] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    """With ``BATCHSCRIBE_TEST_CPU_PROFILE=<dir>``: CPU seconds per test file (this process and
+    the child processes it waited for: servers, CLIs), one JSON file per pytest worker. The
+    suite is CPU-bound on 2 cores under three workers, so its wall time follows this sum."""
+    if not os.environ.get("BATCHSCRIBE_TEST_CPU_PROFILE"):
+        yield
+        return
+    import resource
+
+    def used() -> float:
+        a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+    before = used()
+    yield
+    name = item.module.__name__ if item.module else "?"
+    _cpu[name] = _cpu.get(name, 0.0) + used() - before
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    out = os.environ.get("BATCHSCRIBE_TEST_CPU_PROFILE")
+    if out and _cpu:
+        worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
+        Path(out).mkdir(parents=True, exist_ok=True)
+        (Path(out) / f"{worker}.json").write_text(json.dumps(_cpu, indent=1))
+
+
 @dataclass(frozen=True)
 class Clip:
     id: str
