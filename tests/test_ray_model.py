@@ -55,9 +55,21 @@ def corpus() -> list[Clip]:
 
 @pytest.fixture(scope="module")
 def ray_local() -> Iterator[Any]:
+    """A local Ray whose workers run at the test process's priority. Ray starts its worker
+    processes at nice 15 (its ``worker_niceness``), so on this 2-core host, beside two other
+    pytest workers at nice 0, the stage's actor got a sliver of a core: the CLI kill/resume
+    test took 22 s alone and 244-359 s in the suite."""
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    old = os.environ.get("RAY_worker_niceness")
+    os.environ["RAY_worker_niceness"] = "0"  # read by the raylet this init starts
+    try:
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    finally:
+        if old is None:
+            os.environ.pop("RAY_worker_niceness", None)
+        else:
+            os.environ["RAY_worker_niceness"] = old
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray
     ray.shutdown()
