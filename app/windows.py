@@ -49,6 +49,12 @@ class Urgency(IntEnum):
     LIVE_INTERIM = 2  # a live turn's re-decode so far: useful, droppable (see Shed)
 
 
+# A live interim's place among the interims waiting, lowest first: (interim decodes its turn has
+# had answered, when the turn's text was last refreshed, time.monotonic). A turn that has shown
+# nothing yet goes before one already showing text, then the longest-waiting turn.
+Refresh = tuple[int, float]
+
+
 class Shed(Exception):
     """An interim decode given up on: the batcher was behind, or a newer interim of the same
     job superseded it. Its future raises this; a final is never shed."""
@@ -113,6 +119,7 @@ class Window:
     start: float  # seconds from the start of the upload
     end: float
     prompt: Prompt = Prompt()
+    pad_margin_s: float | None = None  # dynamic time axis: this window's margin (None: engine's)
 
     @property
     def duration(self) -> float:

@@ -13,7 +13,8 @@ turn latency runs from its last chunk's send time to that event (so it includes 
 silence VAD waits for). Interim text: a ``delta`` for an item over the utterance before its last
 chunk was sent. Also counted: the protocol's own promise (each item's deltas join to its
 ``transcript``), ``error`` and ``failed`` events. ``--batch-wer`` transcribes the same clips
-through ``/transcribe`` afterwards: live WER against batch WER of the same speech.
+through ``/transcribe`` afterwards, clip by clip and each stream's audio as one upload: live
+WER against batch WER of the same speech.
 
 ``--beside long`` keeps a 20-minute upload in flight throughout (posted again when it ends), as
 loadtest/traffic.py does for short clips. Streams, pacing and scores: loadtest/live_common.py.
@@ -166,6 +167,27 @@ async def batch_wer(base_url: str, streams: list[Stream]) -> float | None:
     return wer_percent(refs, [" ".join(texts[u.clip_id] for u in s.utterances) for s in streams])
 
 
+async def batch_stream_wer(base_url: str, streams: list[Stream], work: Path) -> float | None:
+    """Each stream's own audio (its clips, pauses and all, as the session heard it) as one upload
+    through ``/transcribe`` (language en): the same speech in the same order, batch against
+    live. Per-clip uploads (:func:`batch_wer`) give each clip a fresh VAD state and a file of
+    its own, which a live stream does not have."""
+    from loadtest.common import write_wav16
+    from loadtest.scoring import wer_percent
+    from loadtest.service import Client
+
+    client = Client(base_url, [], "en")
+    texts = []
+    try:
+        for k, s in enumerate(streams):
+            path = work / f"stream-{k}.wav"
+            await asyncio.to_thread(write_wav16, path, s.audio)
+            texts.append(await client.text_of(path.name, path.read_bytes()))
+    finally:
+        await client.close()
+    return wer_percent([" ".join(u.reference for u in s.utterances) for s in streams], texts)
+
+
 async def keep_long(base_url: str, stop: asyncio.Event, minutes: float, work: Path) -> int:
     """A long upload always in flight until ``stop``; how many were posted."""
     from loadtest.common import load_corpus
@@ -217,6 +239,7 @@ async def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                       "long_uploads_posted": await beside if beside else 0})
             if args.batch_wer:
                 r["batch_wer_percent"] = await batch_wer(base, streams)
+                r["batch_stream_wer_percent"] = await batch_stream_wer(base, streams, work)
             results.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "texts"}), flush=True)
     finally:

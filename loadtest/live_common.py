@@ -29,7 +29,9 @@ words are missing from the WER, and ``turn_latency_with_not_heard`` keeps the ol
 it.
 **Interim**: an utterance of >= 4 s got interim text if some non-final text covering it
 arrived before that same moment. WER: app.scoring (the project's one scorer) over the streams,
-each stream's finalised text against its utterances' references.
+each stream's finalised text against its utterances' references; ``wer_heard_percent`` against
+the references of the utterances heard only (what the decodes cost, apart from what the VAD
+missed).
 """
 
 from __future__ import annotations
@@ -166,6 +168,8 @@ def score(streams: Sequence[Stream], outcomes: Sequence[Outcome]) -> dict[str, A
                 long_turns += 1
                 long_interim += k in o.interim_before_end
     refs = [" ".join(u.reference for u in s.utterances) for s in streams]
+    heard = [" ".join(u.reference for k, u in enumerate(s.utterances) if k in o.heard)
+             for s, o in zip(streams, outcomes, strict=True)]
     return {
         "utterances": sum(len(s.utterances) for s in streams),
         "turn_latency": latency_summary(latencies),
@@ -176,6 +180,7 @@ def score(streams: Sequence[Stream], outcomes: Sequence[Outcome]) -> dict[str, A
         "long_turns_with_interim": long_interim,
         "interim_share": round(long_interim / long_turns, 3) if long_turns else None,
         "wer_percent": wer_percent(refs, [o.text for o in outcomes]),
+        "wer_heard_percent": wer_percent(heard, [o.text for o in outcomes]),
         "errors": sorted({e for o in outcomes for e in o.errors})[:10],
     }
 

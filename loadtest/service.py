@@ -159,6 +159,13 @@ class Client:
                       words=None if words is None else len(words),
                       language=job["result"].get("language"))
 
+    async def text_of(self, name: str, blob: bytes) -> str:
+        """One synchronous request for any audio (not a corpus clip): its text ("" if not done)."""
+        async with self.http.post("/transcribe", params={"wait": "true"},
+                                  data=self._form(name, blob)) as r:
+            job = await r.json()
+        return str(job["result"]["text"]) if job.get("status") == "done" else ""
+
     async def submit(self, name: str, blob: bytes) -> str:
         """An asynchronous job (202); its id."""
         async with self.http.post("/transcribe", data=self._form(name, blob)) as r:

@@ -15,6 +15,7 @@ from app.live.audio import encode_pcm16
 from app.live.config import LiveLimits
 from app.live.decoding import Decoded, Kind, LiveOptions
 from app.live.session import LiveSession
+from app.windows import Refresh
 
 
 class EnergyProbs:
@@ -50,7 +51,8 @@ class ScriptedDecoder:
         self.shed = False
         self.in_flight = 0
 
-    async def __call__(self, audio: np.ndarray, options: LiveOptions, kind: Kind) -> Decoded:
+    async def __call__(self, audio: np.ndarray, options: LiveOptions, kind: Kind,
+                       refresh: Refresh = (0, 0.0)) -> Decoded:
         from app.windows import Shed
 
         self.calls.append((kind, audio.size / 16_000, options))

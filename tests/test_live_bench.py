@@ -16,7 +16,7 @@ from app.live.audio import encode_pcm16
 from app.live.session import LiveSession, serve
 from loadtest.common import free_port
 from loadtest.live import run_sessions
-from loadtest.live_common import Stream, Utterance
+from loadtest.live_common import Outcome, Stream, Utterance, score
 from tests.live_fakes import EnergyVad, ScriptedDecoder, silence, speech
 
 websockets = pytest.importorskip("websockets")
@@ -131,3 +131,13 @@ def test_bench_session_config_is_what_the_sdk_sends() -> None:
 
     ev: SessionUpdateEventParam = {"type": "session.update", "session": SESSION}  # type: ignore[typeddict-item]
     assert isinstance(parse_client_event(json.dumps(ev)), SessionUpdate)
+
+
+def test_wer_of_the_heard_utterances_leaves_out_what_the_vad_missed() -> None:
+    """An utterance no turn covered counts its words as deleted in ``wer_percent`` and not at
+    all in ``wer_heard_percent``."""
+    s = stream(2.0, 2.0)
+    out = Outcome(final_at={0: 1.0}, heard={0}, text="w0 w1 w2 w3")
+    r = score([s], [out])
+    assert r["not_heard"] == 1
+    assert r["wer_heard_percent"] == 0.0 and r["wer_percent"] == 50.0

@@ -12,8 +12,10 @@ from app.batching.batcher import Batcher
 from app.batching.stages import Stages
 from app.config import BatcherSettings
 from app.engine.placement import EngineRunner
+from app.engine.whisper import WhisperEngine
 from app.live.decoding import LiveOptions, batcher_decoder, engine_decoder
 from app.metrics import Metrics
+from app.windows import SAMPLE_RATE
 from tests.fakes import BOUND, FakeStagedEngine, Started, tagged_window
 
 
@@ -66,3 +68,31 @@ async def test_a_cancelled_decode_never_reaches_the_engine(
     assert (await asyncio.wait_for(decode(tagged_window(3).audio, LiveOptions(), "final"),
                                    BOUND)).text == "w3"
     assert all(2 not in tags for _, tags in fake.calls) and any(3 in t for _, t in fake.calls)
+
+
+async def test_interim_windows_carry_their_own_pad_margin(
+        staged: tuple[FakeStagedEngine, Batcher], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Interims are padded with ``interim_pad_margin_s``, finals with the engine's margin; the
+    engine pads a window by its own margin where it has one (app/engine/whisper.py)."""
+    _, batcher = staged
+    margins: list[float | None] = []
+    submit = batcher.submit
+
+    def spy(job_id, windows, options, **kw):  # type: ignore[no-untyped-def]
+        margins.extend(w.pad_margin_s for w in windows)
+        return submit(job_id, windows, options, **kw)
+
+    monkeypatch.setattr(batcher, "submit", spy)
+    decode = batcher_decoder(batcher, "sess_3", interim_pad_margin_s=3.0)
+    for kind in ("interim", "final"):
+        await asyncio.wait_for(decode(tagged_window(4).audio, LiveOptions(), kind), BOUND)
+    assert margins == [3.0, None]
+
+
+@pytest.mark.model
+def test_the_engine_pads_a_window_by_its_own_margin(engine: WhisperEngine) -> None:
+    """2 s of audio: padded to 5 s at a 3 s margin, to 10 s at the engine's default 8 s."""
+    w = tagged_window(1, 2.0)
+    assert engine.padded_samples(w) == 10 * SAMPLE_RATE
+    w.pad_margin_s = 3.0
+    assert engine.padded_samples(w) == 5 * SAMPLE_RATE

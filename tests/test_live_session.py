@@ -78,6 +78,24 @@ async def test_speech_after_a_pause_voids_the_early_final() -> None:
     assert len(done) == 1 and done[0]["transcript"] == "w0 w1 w2 w3 w4 w5"
 
 
+async def test_an_early_decode_that_speech_resumed_after_is_interim_text() -> None:
+    """Two pauses inside one turn, every interim decode shed: the two early decodes started at
+    the pauses read the turn so far, and stand as its interims, so the words they agree on are
+    sent while the turn is still open (they used to be thrown away)."""
+    audio = np.concatenate([silence(0.5), speech(1.5), silence(0.35), speech(1.5, seed=1),
+                            silence(0.35), speech(1.5, seed=2), silence(1.0)])
+    dec = ScriptedDecoder()
+    dec.shed = True
+    events, _, _ = await run_script(appends(audio), decoder=dec)
+    seq = types(events)
+    stopped = seq.index("buf.speech_stopped")
+    assert "tr.delta" in seq[:stopped]  # text while the turn was open
+    assert sum(kind == "final" for kind, _, _ in dec.calls) == 3
+    done = [e for e in events if e["type"].endswith(".completed")]
+    assert len(done) == 1 and done[0]["transcript"] == " ".join(f"w{k}" for k in range(9))
+    assert done[0]["transcript"] == joined(events, done[0]["item_id"])
+
+
 async def test_two_turns_complete_in_order_and_chain_their_items() -> None:
     audio = np.concatenate([speech(1.5), silence(1.0), speech(2.0, seed=1), silence(1.0)])
     events, _, _ = await run_script(appends(audio))

@@ -30,7 +30,7 @@ from collections.abc import Callable, Sequence
 from app.batching.calls import EngineCalls, RunBatch
 from app.batching.capacity import BatchCap, WorkerSlots, beams
 from app.batching.fairness import JobLedger, fair_order
-from app.batching.stages import Batch, DecodePool, GroupKey, Item, Stage, Stages
+from app.batching.stages import Batch, DecodePool, GroupKey, Item, Stage, Stages, urgent_first
 from app.batching.urgency import (
     CostModel,
     SlotPolicy,
@@ -38,12 +38,11 @@ from app.batching.urgency import (
     oldest_final,
     shed_stale,
     supersede,
-    urgent_first,
 )
 from app.config import BatcherSettings
 from app.errors import ShuttingDown
 from app.metrics import Metrics
-from app.windows import N_SAMPLES, DecodeOptions, Urgency, Window, WindowResult
+from app.windows import N_SAMPLES, DecodeOptions, Refresh, Urgency, Window, WindowResult
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +86,7 @@ class Batcher(EngineCalls):
     def submit(
         self, job_id: str, windows: Sequence[Window], options: DecodeOptions, *,
         first_rank: int = 0, job_windows: int | None = None, owner: str | None = None,
-        urgency: Urgency = Urgency.REQUEST,
+        urgency: Urgency = Urgency.REQUEST, refresh: Refresh = (0, 0.0),
     ) -> list[asyncio.Future[WindowResult]]:
         """Queue windows of a job; returns one future per window, in the same order.
 
@@ -95,7 +94,8 @@ class Batcher(EngineCalls):
         first window's index in the job, and ``job_windows`` the job's size (estimated from its
         duration until it is all cut), which tells a short request from a long one.
         ``urgency``: live finals go first; a live interim's future may raise ``Shed`` (see
-        app/batching/urgency.py), and a newer interim of the job sheds the older ones waiting."""
+        app/batching/urgency.py), and a newer interim of the job sheds the older ones waiting;
+        ``refresh``: an interim's place among the interims waiting (app/windows.Refresh)."""
         if self._stopping:
             raise ShuttingDown("batcher is stopping")
         loop = asyncio.get_running_loop()
@@ -110,7 +110,7 @@ class Batcher(EngineCalls):
             fut: asyncio.Future[WindowResult] = loop.create_future()
             padded = self._stages.padded(w) if self._stages else 0
             group.append(Item(job_id, first_rank + k, w, options, fut, job_windows=size,
-                              padded=padded, owner=owner, urgency=urgency))
+                              padded=padded, owner=owner, urgency=urgency, refresh=refresh))
             if urgency is not Urgency.REQUEST:
                 self._live += 1
                 fut.add_done_callback(self._live_done)

@@ -25,7 +25,7 @@ from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from app.windows import DecodeOptions, Encoded, Urgency, Window, WindowResult
+from app.windows import DecodeOptions, Encoded, Refresh, Urgency, Window, WindowResult
 
 # run: both stages in one engine call; redo: Whisper's 30 s fallback for one decoded window
 Stage = Literal["run", "encode", "decode", "redo"]
@@ -61,10 +61,22 @@ class Item:
     pooled: float = 0.0  # when it was encoded
     owner: str | None = None  # the job's API key: batches take windows round robin across keys
     urgency: Urgency = Urgency.REQUEST  # live finals first, interim decodes droppable
+    refresh: Refresh = (0, 0.0)  # a live interim's place among interims (app/windows.Refresh)
 
     def fail(self, exc: BaseException) -> None:
         if not self.future.done():
             self.future.set_exception(exc)
+
+
+def urgent_first(ranked: Sequence[Item]) -> list[Item]:
+    """Live finals first (oldest first), then the rest in the order given, except that the
+    interim decodes among them take their places in :data:`~app.windows.Refresh` order: a turn
+    with no text yet first, then the turn whose text has waited longest."""
+    finals = sorted((i for i in ranked if i.urgency is Urgency.LIVE_FINAL), key=lambda i: i.enqueued)
+    rest = [i for i in ranked if i.urgency is not Urgency.LIVE_FINAL]
+    interims = iter(sorted((i for i in rest if i.urgency is Urgency.LIVE_INTERIM),
+                           key=lambda i: i.refresh))
+    return finals + [next(interims) if i.urgency is Urgency.LIVE_INTERIM else i for i in rest]
 
 
 @dataclass(eq=False)
@@ -176,7 +188,7 @@ class DecodePool:
             order = [group[n] for _, n in sorted(ranked)]
         else:
             order = group
-        order = sorted(order, key=lambda i: i.urgency is not Urgency.LIVE_FINAL)  # stable
+        order = urgent_first(order)
         items = order[:limit]
         taken = set(map(id, items))
         group[:] = [i for i in group if id(i) not in taken]

@@ -261,11 +261,17 @@ class LiveSettings(BaseModel):
     max_session_s: float = Field(3600.0, gt=0, description="Longest session.")
     interim_interval_ms: int = Field(
         1000, ge=0, description="Re-decode an open turn after this much more audio (0: never).")
+    interim_pad_margin_s: float = Field(
+        3.0, ge=2.0, le=30.0,
+        description="Dynamic time axis: silence padded after an interim decode's audio (finals "
+        "keep the model's pad_margin_s). The encoder costs its padded length, and at 16 streams "
+        "interim encodes took a quarter of the engine's time; the final supersedes what an "
+        "interim reads.")
     early_final_ms: int = Field(
         200, ge=0, le=10_000,
         description="Server VAD: a turn's final decode starts once its speech has been quiet "
         "this long, while the VAD still waits out silence_duration_ms; if speech comes back "
-        "the early decode is dropped (0: start at the end of the turn). The engine's time then "
+        "the early decode's text serves as the turn's next interim (0: start at the end of the turn). The engine's time then "
         "overlaps the silence the VAD waits for: 300 ms off every turn at OpenAI's 500 ms.")
     max_pending_finals: int = Field(
         4, ge=1, description="Turns decoding at once per session; appends wait beyond (a client "

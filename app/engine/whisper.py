@@ -120,7 +120,11 @@ class WhisperEngine:
         Whisper was trained on 30 s inputs, but CTranslate2's encoder takes fewer frames and
         costs about linearly in them; with a few seconds of trailing silence the decoder
         behaves as on 30 s (with under ~2 s it loops)."""
-        return padded_length(len(window.audio), self._margin) if self.dynamic else N_SAMPLES
+        if not self.dynamic:
+            return N_SAMPLES
+        margin = self._margin if window.pad_margin_s is None else \
+            int(window.pad_margin_s * SAMPLE_RATE)
+        return padded_length(len(window.audio), margin)
 
     # ---- one call ---------------------------------------------------------------------------
     def transcribe_batch(

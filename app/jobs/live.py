@@ -48,7 +48,7 @@ from app.live.session import LiveSession, VadModel, serve
 from app.live.turns import LiveItem
 from app.metrics import Metrics
 from app.net.outbound import OutboundGuard
-from app.windows import JobOptions, Shed
+from app.windows import JobOptions, Refresh, Shed
 
 log = logging.getLogger(__name__)
 LIVE_THREADS = 2  # audio work of every session: ~1 ms of Silero per 100 ms append on this CPU
@@ -128,14 +128,16 @@ class LiveHall:
 
     # ---- decodes and timing ---------------------------------------------------------------------
     def _decoder(self, owner: str | None) -> Decode:
-        inner = batcher_decoder(self._batcher, new_job_id()[:12], owner)
+        inner = batcher_decoder(self._batcher, new_job_id()[:12], owner,
+                                interim_pad_margin_s=self.settings.live.interim_pad_margin_s)
         interim = self._metrics.live_interim
 
-        async def decode(audio: np.ndarray, options: LiveOptions, kind: Kind) -> Decoded:
+        async def decode(audio: np.ndarray, options: LiveOptions, kind: Kind,
+                         refresh: Refresh = (0, 0.0)) -> Decoded:
             if kind == "interim":
                 interim.labels("sent").inc()
             try:
-                return await inner(audio, options, kind)
+                return await inner(audio, options, kind, refresh)
             except Shed:
                 interim.labels("shed").inc()
                 raise

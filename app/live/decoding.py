@@ -1,13 +1,15 @@
 """How a live session gets text for its audio: one awaitable, so the transport and the engine
 stay out of the state machine.
 
-    async def decode(audio, options, kind) -> Decoded      # kind: "interim" | "final"
+    async def decode(audio, options, kind, refresh) -> Decoded  # kind: "interim" | "final"
 
 ``audio`` is at most one Whisper window (30 s) of 16 kHz float32. A *final* decode is the turn's
 transcript and latency-critical; an *interim* one only refreshes the text shown while the turn
 is open, and may be dropped: raising :class:`Shed` tells the session it was (nothing is sent,
-the next interim or the final catches up). The decoder must never run inference on the event
-loop: both adapters below await the engine's own thread pool.
+the next interim or the final catches up). ``refresh`` (an interim's): its turn's need of
+fresh text (:data:`~app.windows.Refresh`), so that a batcher behind serves a turn that shows
+nothing yet first, then the turn whose text has waited longest. The decoder must never run
+inference on the event loop: both adapters below await the engine's own thread pool.
 
 Adapters:
 
@@ -28,7 +30,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
 
-from app.windows import SAMPLE_RATE, DecodeOptions, Prompt, Urgency, Window, WindowResult
+from app.windows import SAMPLE_RATE, DecodeOptions, Prompt, Refresh, Urgency, Window, WindowResult
 
 if TYPE_CHECKING:
     from app.batching.batcher import Batcher
@@ -52,10 +54,10 @@ class LiveOptions:
     prompt: str | None = None
     hotwords: str | None = None  # ``keywords``, space-joined
 
-    def window(self, audio: np.ndarray) -> Window:
+    def window(self, audio: np.ndarray, pad_margin_s: float | None = None) -> Window:
         return Window(audio, 0.0, audio.size / SAMPLE_RATE,
                       Prompt(language=self.language, initial_prompt=self.prompt,
-                             hotwords=self.hotwords))
+                             hotwords=self.hotwords), pad_margin_s)
 
 
 @dataclass(frozen=True)
@@ -65,7 +67,8 @@ class Decoded:
 
 
 class Decode(Protocol):
-    async def __call__(self, audio: np.ndarray, options: LiveOptions, kind: Kind) -> Decoded: ...
+    async def __call__(self, audio: np.ndarray, options: LiveOptions, kind: Kind,
+                       refresh: Refresh = (0, 0.0)) -> Decoded: ...
 
 
 def _decoded(r: WindowResult) -> Decoded:
@@ -76,7 +79,8 @@ def engine_decoder(run: RunWindows, options: DecodeOptions | None = None) -> Dec
     """Each decode one engine call of one window (the runner awaits the engine's threads)."""
     key = options or DecodeOptions()
 
-    async def decode(audio: np.ndarray, options: LiveOptions, kind: Kind) -> Decoded:
+    async def decode(audio: np.ndarray, options: LiveOptions, kind: Kind,
+                     refresh: Refresh = (0, 0.0)) -> Decoded:
         [r] = await run([options.window(audio)], key)
         return _decoded(r)
 
@@ -84,17 +88,20 @@ def engine_decoder(run: RunWindows, options: DecodeOptions | None = None) -> Dec
 
 
 def batcher_decoder(batcher: Batcher, session_id: str, owner: str | None = None,
-                    options: DecodeOptions | None = None) -> Decode:
+                    options: DecodeOptions | None = None,
+                    interim_pad_margin_s: float | None = None) -> Decode:
     """Each decode a one-window job of the shared batcher (``job_windows=1``: a short request,
     so it rides the decoder pool like a short upload, and beside a long upload it is a "fresh"
     job that gets a batch of its own)."""
     key = options or DecodeOptions()
     counter = itertools.count()
 
-    async def decode(audio: np.ndarray, options: LiveOptions, kind: Kind) -> Decoded:
+    async def decode(audio: np.ndarray, options: LiveOptions, kind: Kind,
+                     refresh: Refresh = (0, 0.0)) -> Decoded:
         job = f"live-{session_id}-{kind}-{next(counter)}"
-        [fut] = batcher.submit(job, [options.window(audio)], key, job_windows=1, owner=owner,
-                               urgency=urgency(kind))
+        margin = interim_pad_margin_s if kind == "interim" else None
+        [fut] = batcher.submit(job, [options.window(audio, margin)], key, job_windows=1, owner=owner,
+                               urgency=urgency(kind), refresh=refresh)
         # Cancelling the awaiting task cancels ``fut`` too, and the batcher skips a window whose
         # future is done: an interim decode given up on costs nothing once it is dropped.
         return _decoded(await fut)

@@ -25,6 +25,7 @@ session runs :meth:`SileroTurns.feed` in its executor (the model call is inferen
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
@@ -151,6 +152,9 @@ class Turn:
     interim_upto: int = 0  # buffer end when the last interim decode was launched
     closed: bool = False
     early: asyncio.Task[str] | None = None  # the final's decode, started at a pause
+    answered: int = 0  # interim decodes answered
+    backoff: int = 1  # interim interval multiplier: doubled when the batcher sheds one
+    refreshed: float = field(default_factory=time.monotonic)  # opened, or last interim answered
 
 
 @dataclass
