@@ -1,4 +1,6 @@
-"""WER of the service vs calling whisperx directly, one clip at a time, same model and options."""
+"""WER of the service vs calling whisperx directly, one clip at a time, same model and options
+(whisperx's transcripts kept between runs and spot-checked against it each run:
+tests/references.py)."""
 
 from __future__ import annotations
 
@@ -9,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from tests.conftest import READ_SPEECH, Clip, Server
+from tests.references import peer_reference
 from tests.wer import wer
 
 pytestmark = pytest.mark.model
@@ -54,9 +57,18 @@ def read_clips(clips: list[Clip]) -> list[Clip]:
 
 @pytest.fixture(scope="module")
 def whisperx_hyps(read_clips: list[Clip]) -> list[str]:
+    """whisperx's transcripts, kept between runs and spot-checked (tests/references.py)."""
+    from importlib.metadata import version
+
     from models.provision import default_cache_dir
 
-    return whisperx_one_by_one(read_clips, str(default_cache_dir() / "whisper-base"))
+    model = default_cache_dir() / "whisper-base"
+    by_path = {c.path: c for c in read_clips}
+    return peer_reference(
+        "whisperx-one-by-one", [(c.id, c.path) for c in read_clips],
+        lambda paths: whisperx_one_by_one([by_path[p] for p in paths], str(model)),
+        {"whisperx": version("whisperx"), "faster-whisper": version("faster-whisper"),
+         "ctranslate2": version("ctranslate2"), "torch": version("torch")}, model)
 
 
 def record(name: str, read: list[Clip], svc: list[str], ref_hyps: list[str]) -> tuple[float, float]:

@@ -3,7 +3,8 @@
 * Detection comes from the encoder output the transcription computes anyway, at the window's
   own (dynamic) padded length, once per upload: on every clip of ``../shared/corpus-multilingual``
   and ``../shared/corpus`` it must be at least as accurate as faster-whisper's own detection on
-  the full clip with the same weights.
+  the full clip with the same weights (faster-whisper's answers kept between runs and
+  spot-checked against it each run: tests/references.py).
 * Windows of different languages, prompts and hotwords share one decoder batch: each reads as
   it does alone.
 """
@@ -23,6 +24,7 @@ from app.audio.vad import SileroVad
 from app.engine.whisper import WhisperEngine
 from app.windows import DecodeOptions, Prompt, Window
 from tests.conftest import ROOT, Clip, Server
+from tests.references import peer_reference
 
 pytestmark = pytest.mark.model
 
@@ -75,13 +77,28 @@ def service_detected(server: Server, paths: list[Path]) -> list[str | None]:
         return list(pool.map(one, paths))
 
 
+def faster_whisper_reference(cases: list[tuple[str, Path, str]]) -> list[str]:
+    """faster-whisper's detections, kept between runs and spot-checked (tests/references.py)."""
+    from importlib.metadata import version
+
+    from app.config import Settings
+    from models.registry import resolve
+
+    s = Settings()
+    return peer_reference("faster-whisper-detect-language", [(i, p) for i, p, _ in cases],
+                          faster_whisper_detected,
+                          {"faster-whisper": version("faster-whisper"),
+                           "ctranslate2": version("ctranslate2")},
+                          Path(resolve(s.model.name, s.model.cache_dir, True)))
+
+
 def test_detection_is_at_least_as_accurate_as_faster_whispers(server: Server,
                                                               clips: list[Clip]) -> None:
     multi = multilingual()
     cases = [(i, p, lang) for i, p, lang in multi] + [(c.id, c.path, "en") for c in clips]
     paths = [p for _, p, _ in cases]
     ours = service_detected(server, paths)
-    theirs = faster_whisper_detected(paths)
+    theirs = faster_whisper_reference(cases)
     report = {}
     for name, rows in (("multilingual", slice(0, len(multi))), ("english", slice(len(multi), None))):
         expected = [lang for _, _, lang in cases[rows]]

@@ -1,0 +1,81 @@
+"""Peer yardsticks kept between runs: what faster-whisper and whisperx themselves say on the
+corpus, the references some accuracy tests hold the service to.
+
+Computing them was a tenth of the suite's CPU: faster-whisper's own language detection on 119
+clips took 142 CPU-s, whisperx one clip at a time on 31 read clips 61 CPU-s (each measured
+alone on this 2-core host), on a suite that is CPU-bound. They change only with the peer's
+version, the model's files, the clips and the CPU (int8 kernels differ between CPUs: see
+tests/test_unsure.py). So each is kept in ``tests/references/<name>.json`` under a key of all
+four, and:
+
+* a run whose key matches recomputes a spread sample of ``spot`` items with the peer itself and
+  must read the stored answers; any difference recomputes everything and stores it again;
+* any other run (a new peer version, model, clip or CPU) computes everything and stores it.
+
+The service's side is always computed in full; only the peer's side is kept. Delete the folder
+to recompute every reference.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+log = logging.getLogger(__name__)
+FOLDER = Path(__file__).resolve().parent / "references"
+
+
+def digest(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()[:16]
+
+
+def cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+
+    return platform.processor() or platform.machine()
+
+
+def spread(n: int, k: int) -> list[int]:
+    """``k`` indices spread evenly over ``range(n)`` (all of them when ``n <= k``)."""
+    if n <= k:
+        return list(range(n))
+    return sorted({round(i * (n - 1) / (k - 1)) for i in range(k)}) if k > 1 else [0]
+
+
+def peer_reference(name: str, items: Sequence[tuple[str, Path]],
+                   compute: Callable[[list[Path]], list[Any]], versions: dict[str, str],
+                   model_dir: Path, spot: int = 4) -> list[Any]:
+    """The peer's answer for each ``(id, path)`` item, in order (see the module doc).
+    ``compute(paths)`` runs the peer on paths and returns one JSON-able answer per path."""
+    key = {"versions": versions, "model": digest(model_dir / "manifest.json"), "cpu": cpu_model(),
+           "items": {i: digest(p) for i, p in items}}
+    path = FOLDER / f"{name}.json"
+    stored: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
+    if stored.get("key") == key:
+        answers = stored["answers"]
+        picked = spread(len(items), spot)
+        again = compute([items[k][1] for k in picked])
+        if [answers[items[k][0]] for k in picked] == again:
+            return [answers[i] for i, _ in items]
+        log.warning("%s: the peer no longer reads %s as stored; recomputing every item", name,
+                    [items[k][0] for k in picked])
+    fresh = compute([p for _, p in items])
+    FOLDER.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"key": key, "answers": {i: a for (i, _), a in
+                                                        zip(items, fresh, strict=True)}},
+                               indent=1, ensure_ascii=False) + "\n")
+    return fresh

@@ -1,0 +1,59 @@
+"""The peer yardsticks kept between runs (tests/references.py): stored once, then spot-checked
+against the peer itself; a changed input or a peer that now reads otherwise recomputes all."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+import tests.references as refs
+
+
+@pytest.fixture
+def setup(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[list[tuple[str, Path]], Path]:
+    monkeypatch.setattr(refs, "FOLDER", tmp_path / "references")
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "manifest.json").write_text("{}")
+    items = []
+    for k in range(10):
+        p = tmp_path / f"clip{k}.wav"
+        p.write_bytes(bytes([k]) * 100)
+        items.append((f"c{k}", p))
+    return items, model
+
+
+def test_stored_once_then_only_a_spread_sample_is_recomputed(setup) -> None:  # type: ignore[no-untyped-def]
+    items, model = setup
+    asked: list[list[str]] = []
+
+    def peer(paths: list[Path]) -> list[str]:
+        asked.append([p.stem for p in paths])
+        return [f"says-{p.stem}" for p in paths]
+
+    first = refs.peer_reference("p", items, peer, {"peer": "1"}, model, spot=3)
+    again = refs.peer_reference("p", items, peer, {"peer": "1"}, model, spot=3)
+    assert first == again == [f"says-clip{k}" for k in range(10)]
+    assert asked == [[f"clip{k}" for k in range(10)], ["clip0", "clip4", "clip9"]]
+
+
+def test_a_new_version_a_changed_clip_or_a_changed_answer_recomputes_everything(setup) -> None:  # type: ignore[no-untyped-def]
+    items, model = setup
+    answer = {"v": "a"}
+    calls: list[int] = []
+
+    def peer(paths: list[Path]) -> list[str]:
+        calls.append(len(paths))
+        return [f"{answer['v']}-{p.stem}" for p in paths]
+
+    refs.peer_reference("p", items, peer, {"peer": "1"}, model, spot=3)
+    refs.peer_reference("p", items, peer, {"peer": "2"}, model, spot=3)  # new version
+    items[5][1].write_bytes(b"changed")
+    refs.peer_reference("p", items, peer, {"peer": "2"}, model, spot=3)  # changed clip
+    answer["v"] = "b"  # the peer now reads the sample otherwise: all again, and stored
+    got = refs.peer_reference("p", items, peer, {"peer": "2"}, model, spot=3)
+    assert got == [f"b-clip{k}" for k in range(10)]
+    assert calls == [10, 10, 10, 3, 10]
+    assert refs.peer_reference("p", items, peer, {"peer": "2"}, model, spot=3) == got
+    assert calls[-1] == 3
