@@ -271,8 +271,9 @@ class LiveSettings(BaseModel):
         200, ge=0, le=10_000,
         description="Server VAD: a turn's final decode starts once its speech has been quiet "
         "this long, while the VAD still waits out silence_duration_ms; if speech comes back "
-        "the early decode's text serves as the turn's next interim (0: start at the end of the turn). The engine's time then "
-        "overlaps the silence the VAD waits for: 300 ms off every turn at OpenAI's 500 ms.")
+        "the early decode's text serves as the turn's next interim (0: start at the end of "
+        "the turn). The engine's time then overlaps the silence the VAD waits for: 300 ms off "
+        "every turn at OpenAI's 500 ms.")
     max_pending_finals: int = Field(
         4, ge=1, description="Turns decoding at once per session; appends wait beyond (a client "
         "faster than real time is slowed to the engine's pace, not buffered).")
