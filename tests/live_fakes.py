@@ -50,6 +50,10 @@ class ScriptedDecoder:
         self.fail: set[Kind] = set()
         self.shed = False
         self.in_flight = 0
+        self.demoted = 0  # finals the session said became interims (see decoding.demote)
+
+    def demote(self, task: asyncio.Task[Any]) -> None:
+        self.demoted += 1
 
     async def __call__(self, audio: np.ndarray, options: LiveOptions, kind: Kind,
                        refresh: Refresh = (0, 0.0)) -> Decoded:

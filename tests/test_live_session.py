@@ -91,6 +91,7 @@ async def test_an_early_decode_that_speech_resumed_after_is_interim_text() -> No
     stopped = seq.index("buf.speech_stopped")
     assert "tr.delta" in seq[:stopped]  # text while the turn was open
     assert sum(kind == "final" for kind, _, _ in dec.calls) == 3
+    assert dec.demoted == 2  # the batcher was told: they wait behind true finals now
     done = [e for e in events if e["type"].endswith(".completed")]
     assert len(done) == 1 and done[0]["transcript"] == " ".join(f"w{k}" for k in range(9))
     assert done[0]["transcript"] == joined(events, done[0]["item_id"])

@@ -119,6 +119,14 @@ class Batcher(EngineCalls):
         self._wake.set()
         return futures
 
+    def demote(self, job_id: str) -> None:
+        """A live final that became an interim (its turn went on after the pause it was
+        started at, app/live/session.py): its windows not yet in an engine call wait as
+        interims from now on, behind every true final (and may be shed like one)."""
+        for i in self._waiting():
+            if i.job_id == job_id and i.urgency is Urgency.LIVE_FINAL:
+                i.urgency, i.refresh = Urgency.LIVE_INTERIM, (0, i.enqueued)
+
     def oldest_call_s(self) -> float:
         """How long the oldest engine call still running has run (0.0: none). A call the
         engine never returns from keeps growing this: /healthz reports it as a stall."""

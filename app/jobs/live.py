@@ -31,8 +31,6 @@ from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import numpy as np
-
 from app.audio.vad import Vad
 from app.batching.batcher import Batcher
 from app.config import Settings
@@ -41,14 +39,14 @@ from app.jobs.door import LiveCall, LiveEnd
 from app.jobs.intake import new_job_id
 from app.jobs.store import JobStore
 from app.jobs.webhooks import check_callback_url
-from app.live.decoding import Decode, Decoded, Kind, LiveOptions, batcher_decoder
+from app.live.decoding import Decode, batcher_decoder
 from app.live.events import ErrorEvent
 from app.live.protocol import ProtocolError
 from app.live.session import LiveSession, VadModel, serve
 from app.live.turns import LiveItem
 from app.metrics import Metrics
 from app.net.outbound import OutboundGuard
-from app.windows import JobOptions, Refresh, Shed
+from app.windows import JobOptions
 
 log = logging.getLogger(__name__)
 LIVE_THREADS = 2  # audio work of every session: ~1 ms of Silero per 100 ms append on this CPU
@@ -128,21 +126,10 @@ class LiveHall:
 
     # ---- decodes and timing ---------------------------------------------------------------------
     def _decoder(self, owner: str | None) -> Decode:
-        inner = batcher_decoder(self._batcher, new_job_id()[:12], owner,
-                                interim_pad_margin_s=self.settings.live.interim_pad_margin_s)
         interim = self._metrics.live_interim
-
-        async def decode(audio: np.ndarray, options: LiveOptions, kind: Kind,
-                         refresh: Refresh = (0, 0.0)) -> Decoded:
-            if kind == "interim":
-                interim.labels("sent").inc()
-            try:
-                return await inner(audio, options, kind, refresh)
-            except Shed:
-                interim.labels("shed").inc()
-                raise
-
-        return decode
+        return batcher_decoder(self._batcher, new_job_id()[:12], owner,
+                               interim_pad_margin_s=self.settings.live.interim_pad_margin_s,
+                               on_interim=lambda outcome: interim.labels(outcome).inc())
 
     def _timed_send(self, call: LiveCall, arrived: list[float]
                     ) -> Callable[[dict[str, Any]], Awaitable[None]]:

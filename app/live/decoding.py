@@ -23,14 +23,25 @@ Adapters:
 
 from __future__ import annotations
 
+import asyncio
 import itertools
+import weakref
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
-from app.windows import SAMPLE_RATE, DecodeOptions, Prompt, Refresh, Urgency, Window, WindowResult
+from app.windows import (
+    SAMPLE_RATE,
+    DecodeOptions,
+    Prompt,
+    Refresh,
+    Shed,
+    Urgency,
+    Window,
+    WindowResult,
+)
 
 if TYPE_CHECKING:
     from app.batching.batcher import Batcher
@@ -71,6 +82,14 @@ class Decode(Protocol):
                        refresh: Refresh = (0, 0.0)) -> Decoded: ...
 
 
+def demote(decode: Decode, task: asyncio.Task[Any]) -> None:
+    """The final decode running in ``task`` is an interim now (a decoder that cannot tell
+    ignores it): see :meth:`app.batching.batcher.Batcher.demote`."""
+    hook = getattr(decode, "demote", None)
+    if hook is not None:
+        hook(task)
+
+
 def _decoded(r: WindowResult) -> Decoded:
     return Decoded(r.text, r.language)
 
@@ -87,23 +106,52 @@ def engine_decoder(run: RunWindows, options: DecodeOptions | None = None) -> Dec
     return decode
 
 
-def batcher_decoder(batcher: Batcher, session_id: str, owner: str | None = None,
-                    options: DecodeOptions | None = None,
-                    interim_pad_margin_s: float | None = None) -> Decode:
-    """Each decode a one-window job of the shared batcher (``job_windows=1``: a short request,
-    so it rides the decoder pool like a short upload, and beside a long upload it is a "fresh"
-    job that gets a batch of its own)."""
-    key = options or DecodeOptions()
-    counter = itertools.count()
+class _BatcherDecode:
+    """:func:`batcher_decoder`'s decoder: it knows each running decode's batcher job, so a
+    final that became an interim can be demoted there."""
 
-    async def decode(audio: np.ndarray, options: LiveOptions, kind: Kind,
-                     refresh: Refresh = (0, 0.0)) -> Decoded:
-        job = f"live-{session_id}-{kind}-{next(counter)}"
-        margin = interim_pad_margin_s if kind == "interim" else None
-        [fut] = batcher.submit(job, [options.window(audio, margin)], key, job_windows=1, owner=owner,
-                               urgency=urgency(kind), refresh=refresh)
+    def __init__(self, batcher: Batcher, session_id: str, owner: str | None,
+                 options: DecodeOptions | None, interim_pad_margin_s: float | None,
+                 on_interim: Callable[[str], None] | None) -> None:
+        self._batcher, self._session, self._owner = batcher, session_id, owner
+        self._key = options or DecodeOptions()
+        self._margin = interim_pad_margin_s
+        self._count = on_interim or (lambda outcome: None)
+        self._counter = itertools.count()
+        self._jobs: weakref.WeakKeyDictionary[asyncio.Task[Any], str] = \
+            weakref.WeakKeyDictionary()
+
+    async def __call__(self, audio: np.ndarray, options: LiveOptions, kind: Kind,
+                       refresh: Refresh = (0, 0.0)) -> Decoded:
+        job = f"live-{self._session}-{kind}-{next(self._counter)}"
+        margin = self._margin if kind == "interim" else None
+        [fut] = self._batcher.submit(job, [options.window(audio, margin)], self._key,
+                                     job_windows=1, owner=self._owner, urgency=urgency(kind),
+                                     refresh=refresh)
+        task = asyncio.current_task()
+        if task is not None:
+            self._jobs[task] = job
+        if kind == "interim":
+            self._count("sent")
         # Cancelling the awaiting task cancels ``fut`` too, and the batcher skips a window whose
         # future is done: an interim decode given up on costs nothing once it is dropped.
-        return _decoded(await fut)
+        try:
+            return _decoded(await fut)
+        except Shed:
+            self._count("shed")
+            raise
 
-    return decode
+    def demote(self, task: asyncio.Task[Any]) -> None:
+        job = self._jobs.get(task)
+        if job is not None:
+            self._batcher.demote(job)
+
+
+def batcher_decoder(batcher: Batcher, session_id: str, owner: str | None = None,
+                    options: DecodeOptions | None = None,
+                    interim_pad_margin_s: float | None = None,
+                    on_interim: Callable[[str], None] | None = None) -> Decode:
+    """Each decode a one-window job of the shared batcher (``job_windows=1``: a short request,
+    so it rides the decoder pool like a short upload, and beside a long upload it is a "fresh"
+    job that gets a batch of its own). ``on_interim("sent" | "shed")`` counts interim decodes."""
+    return _BatcherDecode(batcher, session_id, owner, options, interim_pad_margin_s, on_interim)

@@ -34,7 +34,7 @@ from app.audio.cut import pieces
 from app.errors import ServiceError
 from app.live.audio import AudioDecoder, BadAudio, ChunkBuffer, b64decode
 from app.live.config import LiveLimits, SessionConfig, wall_clock
-from app.live.decoding import Decode, Kind, LiveOptions
+from app.live.decoding import Decode, Kind, LiveOptions, demote
 from app.live.events import (
     Cleared,
     Committed,
@@ -218,6 +218,7 @@ class LiveSession:
             # 31 of 129 early decodes were resumed after).
             if t.interim is not None:
                 t.interim.cancel()
+            demote(self._decode, t.early)  # behind every true final from now on
             t.interim, t.early = asyncio.create_task(self._interim(t, t.early)), None
         elif e.kind == "stop":  # speech_stopped only for a turn speech_started opened
             self._close(e.at, stopped=t.vad, at_pause=not e.forced)
