@@ -119,6 +119,23 @@ def test_row_audio_from_every_shape(tmp_path: Path, clips: list[Clip]) -> None:
         spool.close()
 
 
+def test_a_spool_that_is_never_closed_leaves_no_folder() -> None:
+    """A Ray actor ends without ``close``: its spool's folder goes with the spool."""
+    import gc
+
+    spool = Spool(Settings())
+    folder = spool.dir
+    path, _ = spool.local(b"RIFF")
+    assert path.parent == folder and folder.is_dir()
+    del spool
+    gc.collect()
+    assert not folder.exists()
+    closed = Spool(Settings())
+    closed.close()
+    closed.close()  # twice is harmless
+    assert not closed.dir.exists()
+
+
 def test_samples_reach_prep_as_the_same_audio(tmp_path: Path) -> None:
     t = np.arange(16000 * 2) / 16000
     tone = (0.3 * np.sin(2 * np.pi * 440 * t)).astype(np.float32)

@@ -19,9 +19,10 @@ spooled copies are removed when the row is done.
 from __future__ import annotations
 
 import math
-import os
+import shutil
 import tempfile
 import uuid
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -125,12 +126,15 @@ def describe(source: str | bytes | tuple[np.ndarray, int]) -> str:
 
 
 class Spool:
-    """Local files for rows that are not local files; each removed once its row is done."""
+    """Local files for rows that are not local files; each removed once its row is done. The
+    folder goes with :meth:`close`, or when the spool is collected or its process exits: a Ray
+    actor is torn down without ``close``, and each left an empty folder in ``/tmp``."""
 
     def __init__(self, settings: Settings, base_dir: Path | None = None) -> None:
         self.settings = settings
         self.base_dir = base_dir
         self.dir = Path(tempfile.mkdtemp(prefix="batchscribe-rows-"))
+        self._remove = weakref.finalize(self, shutil.rmtree, self.dir, ignore_errors=True)
 
     def local(self, source: str | bytes | tuple[np.ndarray, int]) -> tuple[Path, bool]:
         """(a local file with the row's audio, whether it is a spooled copy to remove).
@@ -202,9 +206,7 @@ class Spool:
         return path
 
     def close(self) -> None:
-        for p in self.dir.glob("*"):
-            p.unlink(missing_ok=True)
-        os.rmdir(self.dir)
+        self._remove()
 
 
 def wav_bytes(samples: np.ndarray, rate: int) -> bytes:
