@@ -116,7 +116,8 @@ def test_a_looping_window_reads_the_same_alone_and_beside_a_long_window(
     that too is the window's own: the same text alone and batched, and no longer a loop."""
     (clip,) = [c for c in clips if c.id == LOOPING_CLIP]
     (window,) = windows_of(clip)
-    longest = max((w for c in clips if c.set in READ_SPEECH for w in windows_of(c)),
+    read = sorted((c for c in clips if c.set in READ_SPEECH), key=lambda c: c.duration_s)
+    longest = max((w for c in read[-3:] for w in windows_of(c)),  # (not the VAD of every clip)
                   key=lambda w: w.duration)
     assert longest.duration > 20
     alone = looping.transcribe_batch([window], EN)[0]

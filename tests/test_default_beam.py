@@ -77,18 +77,19 @@ def test_a_request_carries_both_beams_unless_it_samples() -> None:
 
 
 def _windows(clips: list[Clip]) -> list[Window]:
-    """First windows of every multilingual clip (half given their language, half detected) and
-    of eight English clips (detected): new Window objects each call (tests change them), cut
-    once per run (two tests use them: decoding and VAD of 44 clips each time)."""
+    """First windows of every other multilingual clip (each of the 11 languages; half given
+    their language, half detected) and of four English clips (detected): new Window objects
+    each call (tests change them), cut once per run (two tests use them). Half the corpus
+    halves the batch test's ~85 s in the suite and still reads 11 languages."""
     return [Window(a, start, end, Prompt(language=lang)) for a, start, end, lang in _cut(
-        tuple(str(c.path) for c in clips if c.set == "librispeech")[:8])]
+        tuple(str(c.path) for c in clips if c.set == "librispeech")[:4])]
 
 
 @functools.cache
 def _cut(english: tuple[str, ...]) -> list[tuple[np.ndarray, float, float, str | None]]:
     vad = SileroVad()
     out = []
-    for k, (_, path, language) in enumerate(multilingual()):
+    for k, (_, path, language) in enumerate(multilingual()[::2]):
         w = prepare(path, vad, 3600.0)[1][0]
         out.append((w.audio, w.start, w.end, language if k % 2 else None))
     for path in english:

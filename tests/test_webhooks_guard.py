@@ -69,6 +69,14 @@ class Hostile:
     connections: list[float] = field(default_factory=list)  # seconds each connection lasted
     sent: list[int] = field(default_factory=list)  # body bytes each connection got out
     server: socketserver.ThreadingTCPServer | None = None
+    ended: threading.Condition = field(default_factory=threading.Condition)
+
+    def wait_connections(self, n: int, timeout: float = 10.0) -> bool:
+        """Until ``n`` connections have ended here. The service records an attempt as over
+        when it hangs up; this side notices on its next send (up to 0.1 s later for
+        ``slow_head``), so a count read at once could miss the last one (seen once: 5 of 6)."""
+        with self.ended:
+            return self.ended.wait_for(lambda: len(self.connections) >= n, timeout)
 
     @property
     def url(self) -> str:
@@ -98,8 +106,10 @@ class Hostile:
                 except OSError:
                     pass  # the service hung up: what it should do
                 finally:
-                    rx.connections.append(time.monotonic() - start)
-                    rx.sent.append(sent)
+                    with rx.ended:
+                        rx.connections.append(time.monotonic() - start)
+                        rx.sent.append(sent)
+                        rx.ended.notify_all()
 
         socketserver.ThreadingTCPServer.daemon_threads = True
         self.server = socketserver.ThreadingTCPServer(("127.0.0.1", 0), Handler)
@@ -143,6 +153,8 @@ def test_hostile_receivers_cannot_hold_an_attempt_or_memory(
             final = {i: wait_webhook(c, i, "failed" if kind == "slow" else "delivered")
                      for i, kind in ids.items()}
         rss_after = proc_status_kb(srv.proc.pid, "VmRSS")
+        slow.wait_connections(6)
+        endless.wait_connections(2)
     finally:
         slow.stop()
         endless.stop()
@@ -151,7 +163,8 @@ def test_hostile_receivers_cannot_hold_an_attempt_or_memory(
     for job_id, kind in ids.items():
         hook = final[job_id]["webhook"]
         if kind == "slow":
-            assert hook["attempts"] == 3 and hook["last_error"] == "unreachable", hook  # a port scan learns nothing
+            # "unreachable": a port scan learns nothing
+            assert hook["attempts"] == 3 and hook["last_error"] == "unreachable", hook
         else:
             assert hook["attempts"] == 1 and hook["last_error"] is None, hook
     assert len(slow.connections) == 6 and len(endless.connections) == 2
