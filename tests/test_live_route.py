@@ -158,6 +158,57 @@ async def test_handshakes_need_a_key_or_a_client_secret(url: str) -> None:
         assert e.value.response.status_code == 403
 
 
+async def test_a_client_secrets_session_is_where_its_socket_starts(url: str) -> None:
+    """As on OpenAI's API: the ``session`` a client secret is minted for is checked at once
+    (400 naming the field) and is the session a socket opened with that secret starts as, so a
+    page need not send it again; ``session.update`` still changes it, and a socket opened with
+    the API key itself starts at the defaults."""
+    auth = {"Authorization": f"Bearer {KEY}"}
+
+    def session(**audio_input: Any) -> dict[str, Any]:
+        return {"session": {"type": "transcription", "audio": {"input": audio_input}}}
+
+    german = session(format={"type": "audio/pcm", "rate": 16000}, turn_detection=None,
+                     transcription={"language": "de", "prompt": "Guten Tag."})
+    async with httpx.AsyncClient(base_url=url, timeout=BOUND, headers=auth) as c:
+        refused = [await c.post("/v1/realtime/client_secrets", json=body) for body in (
+            session(format={"type": "audio/pcm", "rate": 44100}),
+            session(turn_detectoin=None),
+            {"session": {"type": "realtime"}},
+            session(transcription={"prompt": "x" * 3999, "keywords": ["y" * 199] * 20}))]
+        r = await c.post("/v1/realtime/client_secrets", json=german)
+    assert [x.status_code for x in refused] == [400] * 4, [x.text for x in refused]
+    assert [x.json()["error"]["param"] for x in refused] == [
+        "session.audio.input.format.rate", "session.audio.input.turn_detectoin", "session.type",
+        "session"]
+    assert r.status_code == 200, r.text
+    secret = r.json()
+    opened = secret["session"]["audio"]["input"]
+    assert opened["turn_detection"] is None and opened["format"] == {"type": "audio/pcm",
+                                                                     "rate": 16000}
+    assert opened["transcription"]["language"] == "de"
+    async with connect(ws_url(url), subprotocols=[
+            "realtime", f"openai-insecure-api-key.{secret['value']}"]) as ws:  # type: ignore[list-item]
+        created = (await until(ws, "session.created"))[-1]["session"]
+        assert created["audio"]["input"] == opened
+        pcm = encode_pcm16(np.zeros(8_000, np.float32))  # 0.5 s at 16 kHz: manual turns
+        await ws.send(json.dumps({"type": "input_audio_buffer.append",
+                                  "audio": base64.b64encode(pcm).decode()}))
+        await ws.send(json.dumps({"type": "input_audio_buffer.commit"}))
+        seen = await until(ws, "conversation.item.input_audio_transcription.completed")
+        assert "input_audio_buffer.speech_started" not in [e["type"] for e in seen]
+        await ws.send(json.dumps({"type": "session.update",
+                                  **session(turn_detection={"type": "server_vad"})}))
+        updated = (await until(ws, "session.updated"))[-1]["session"]["audio"]["input"]
+        assert updated["turn_detection"]["type"] == "server_vad"
+        assert updated["transcription"]["language"] == "de"  # what the update left out stays
+    async with connect(ws_url(url, client_secret=secret["value"])) as ws:  # the query's way
+        assert (await until(ws, "session.created"))[-1]["session"]["audio"]["input"] == opened
+    async with connect(ws_url(url), additional_headers=auth) as ws:
+        plain = (await until(ws, "session.created"))[-1]["session"]["audio"]["input"]
+        assert plain["turn_detection"]["type"] == "server_vad" and plain["format"]["rate"] == 24000
+
+
 async def test_sessions_past_the_key_limit_get_an_error_then_a_close(url: str) -> None:
     auth = {"Authorization": f"Bearer {KEY}"}
     async with connect(ws_url(url), additional_headers=auth) as a, \

@@ -85,6 +85,39 @@ async def test_the_openai_sdk_transcribes_live_on_the_service(server: Server,
         assert wer_percent([clip.reference], [manual.transcript]) <= 25.0, manual.transcript
 
 
+async def test_a_client_secret_minted_by_the_sdk_opens_its_session(server: Server,
+                                                                   clips: list[Clip]) -> None:
+    """OpenAI's ephemeral-key flow with the SDK: a secret minted for a manual-turn English
+    session, then a connection made with that secret as the api_key, which sends no
+    ``session.update``: it starts in that session (no server VAD), and a commit transcribes."""
+    from openai import AsyncOpenAI
+
+    clip = min((c for c in clips if c.set in READ_SPEECH and c.duration_s >= 4.0),
+               key=lambda c: c.duration_s)
+    ws_base = server.url.replace("http://", "ws://") + "/v1"
+    minter = AsyncOpenAI(api_key="unused-here", base_url=server.url + "/v1")
+    secret = await minter.realtime.client_secrets.create(session={
+        "type": "transcription",
+        "audio": {"input": {"transcription": {"model": "whisper-1", "language": "en"},
+                            "turn_detection": None}}})
+    assert secret.value.startswith("ek_") and secret.session.type == "transcription"
+    assert secret.session.audio is not None and secret.session.audio.input is not None
+    assert secret.session.audio.input.turn_detection is None
+    browser = AsyncOpenAI(api_key=secret.value, base_url=server.url + "/v1",
+                          websocket_base_url=ws_base)
+    seen: list[Any] = []
+    async with browser.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+        created = await events_until(conn, "session.created", seen)
+        assert created.session.audio.input.turn_detection is None
+        assert created.session.audio.input.transcription.language == "en"
+        await conn.input_audio_buffer.append(
+            audio=base64.b64encode(pcm24(decode(clip.path, 60.0))).decode())
+        await conn.input_audio_buffer.commit()
+        done = await events_until(conn, COMPLETED, seen)
+    kinds = [e.type for e in seen]
+    assert "input_audio_buffer.speech_started" not in kinds and "error" not in kinds, kinds
+    assert wer_percent([clip.reference], [done.transcript]) <= 25.0, done.transcript
+
 def test_keyless_handshakes_answer_only_loopback_host_names(server: Server) -> None:
     """Without keys the Host rule of every route holds on the socket too (DNS rebinding)."""
     import httpx

@@ -22,10 +22,11 @@ from starlette.websockets import WebSocketDisconnect
 
 from app.api.deps import Caller, caller
 from app.api.middleware.secrets import SUBPROTOCOL_KEY, ClientSecrets
+from app.api.openai import OpenAIRoute
 from app.api.schemas import ErrorBody
 from app.jobs.door import Door, LiveCall
 
-router = APIRouter(tags=["live"])
+router = APIRouter(tags=["live"], route_class=OpenAIRoute)  # errors in OpenAI's shape
 INTENTS = ("transcription",)
 JOB_HEADER = "x-batchscribe-job"
 
@@ -72,8 +73,10 @@ async def realtime(ws: WebSocket, intent: str | None = None,
             "param": "intent" if refusal[0] == "invalid_intent" else None, "event_id": None}})
         await ws.close(1008)
         return
+    signer: ClientSecrets = ws.app.state.client_secrets
     try:
-        end = await door.live(LiveCall(owner, accept, receive, send, callback_url))
+        end = await door.live(LiveCall(owner, accept, receive, send, callback_url,
+                                       session=signer.session_of(ws.scope)))
     except WebSocketDisconnect:
         return
     with contextlib.suppress(RuntimeError, WebSocketDisconnect):  # the client closed first
@@ -88,14 +91,15 @@ async def client_secrets(
 ) -> dict[str, Any]:
     """A short-lived token for ``/v1/realtime`` (a browser's WebSocket cannot send the key):
     OpenAI's ephemeral-key answer, ``{value, expires_at, session}``. ``expires_after.seconds``
-    (10-7200) sets its lifetime, as on OpenAI's API."""
+    (10-7200) sets its lifetime, as on OpenAI's API. ``session`` (a transcription session, as
+    in ``session.update``) is checked now (400 naming the field) and is the session a socket
+    opened with the secret starts as; the answer's ``session`` shows it, defaults filled in."""
     body = body or {}
+    door: Door = request.app.state.door
     signer: ClientSecrets = request.app.state.client_secrets
     after = body.get("expires_after") or {}
     seconds = after.get("seconds") if isinstance(after, dict) else None
     ttl_s = seconds if isinstance(seconds, int) and 10 <= seconds <= 7200 else None
-    minted = signer.mint(who.owner, ttl_s)
-    session = body.get("session") if isinstance(body.get("session"), dict) else {}
-    return {"value": minted.value, "expires_at": minted.expires_at,
-            "session": {"type": "transcription", "object": "realtime.transcription_session",
-                        **(session or {})}}
+    carried, opened = door.live_session(body.get("session") or {"type": "transcription"})
+    minted = signer.mint(who.owner, ttl_s, carried if "session" in body else None)
+    return {"value": minted.value, "expires_at": minted.expires_at, "session": opened}

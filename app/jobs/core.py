@@ -37,6 +37,8 @@ from app.jobs.store import JobRow, JobStore
 from app.jobs.transfers import Hold
 from app.jobs.views import JobView
 from app.jobs.webhooks import key_secret
+from app.live.config import opened_with
+from app.live.protocol import ProtocolError, parse_session
 from app.metrics import Metrics
 from app.net.outbound import OutboundGuard
 from app.results.logprobs import entries
@@ -169,6 +171,13 @@ class Core:
                           ) -> list[tuple[str, list[dict[str, Any]]]] | None:
         done = self._runner.finished_windows(job_id, start)
         return None if done is None else [(w.text, entries([w])) for w in done]
+
+    def live_session(self, session: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        checked = parse_session(session)
+        if isinstance(checked, ProtocolError):
+            raise BadRequest(checked.message, field=checked.param, headers=NO_RETRY)
+        return (checked.model_dump(mode="json", exclude_unset=True),
+                opened_with(checked, self.settings.live))
 
     async def live(self, call: LiveCall) -> LiveEnd:
         return await self._live.serve(call)

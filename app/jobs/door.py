@@ -63,6 +63,7 @@ class LiveCall:
     receive: Callable[[], Awaitable[str | bytes | None]]  # None: the client has gone
     send: Callable[[dict[str, Any]], Awaitable[None]]  # one server event (a JSON object)
     callback_url: str | None = None  # webhooks: the kept transcript's job, when it ends
+    session: dict[str, Any] | None = None  # the client secret's session (Door.live_session)
 
 
 @dataclass(frozen=True)
@@ -229,6 +230,12 @@ class Door(Protocol):
         ...
 
     # ---- live transcription --------------------------------------------------------------------
+    def live_session(self, session: Any) -> tuple[dict[str, Any], dict[str, Any]]:
+        """A client secret's ``session``, checked as a ``session.update``'s: (what the secret
+        carries, for :attr:`LiveCall.session`; the session a socket opened with it starts as).
+        400 naming the field, as OpenAI's API answers."""
+        ...
+
     async def live(self, call: LiveCall) -> LiveEnd:
         """Accept a ``/v1/realtime`` socket and serve one transcription session on it until the
         client leaves or a limit ends it (app/jobs/live.py); its transcript is kept as a job."""

@@ -95,7 +95,8 @@ class LiveHall:
         self._open[call.owner] += 1
         self._metrics.live_sessions.inc()
         started = time.time()
-        session = LiveSession(self._decoder(call.owner), self._vad, live, self._executor)
+        session = LiveSession(self._decoder(call.owner), self._vad, live, self._executor,
+                              initial=call.session)
         try:
             arrived = [0.0]  # when the client's latest message came in
             reason = await serve(session, timed_receive(call, arrived),

@@ -83,5 +83,15 @@ class SessionConfig:
         }
 
 
+def opened_with(session: TranscriptionSession, limits: LiveLimits) -> dict[str, Any]:
+    """What a socket opened with a client secret minted for ``session`` starts as: the
+    ``session`` of the secret's answer (no id or expiry yet: the socket's own)."""
+    config = SessionConfig()
+    config.apply(session)
+    out = config.as_session("", limits, wall_clock())
+    del out["id"], out["expires_at"]
+    return out
+
+
 def wall_clock() -> float:
     return time.time()

@@ -188,6 +188,28 @@ def parse_client_event(raw: str | bytes, max_bytes: int = MAX_EVENT_BYTES
         return _from_validation(exc, kind, event_id)
 
 
+MAX_SECRET_SESSION_BYTES = 4096  # a client secret rides a subprotocol header or a query string
+
+
+def parse_session(data: Any) -> TranscriptionSession | ProtocolError:
+    """The ``session`` of ``POST /v1/realtime/client_secrets``, checked as a ``session.update``'s
+    would be: the session a socket opened with that secret starts with (OpenAI's rule)."""
+    try:
+        session = TranscriptionSession.model_validate(data)
+    except ValidationError as exc:
+        err = _from_validation(exc, "", None)
+        param = f"session.{err.param}" if err.param else "session"
+        return ProtocolError(err.message.replace(f"'{err.param}'", f"'{param}'"),
+                             code=err.code, param=param)
+    size = len(session.model_dump_json(exclude_unset=True))
+    if size > MAX_SECRET_SESSION_BYTES:
+        return ProtocolError(f"The session is {size} bytes as JSON, over the {MAX_SECRET_SESSION_BYTES}"
+                             " a client secret carries; send the long fields (prompt, keywords) in"
+                             " a session.update once connected.", code="invalid_value",
+                             param="session")
+    return session
+
+
 def _from_validation(exc: ValidationError, kind: str, event_id: str | None) -> ProtocolError:
     """The first problem pydantic found, in OpenAI's words and codes."""
     err = exc.errors(include_url=False)[0]

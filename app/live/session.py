@@ -50,7 +50,15 @@ from app.live.events import (
     TranscriptionFailed,
     new_id,
 )
-from app.live.protocol import Append, Clear, Commit, ProtocolError, SessionUpdate, parse_client_event
+from app.live.protocol import (
+    Append,
+    Clear,
+    Commit,
+    ProtocolError,
+    SessionUpdate,
+    TranscriptionSession,
+    parse_client_event,
+)
 from app.live.turns import Edge, LiveItem, ProbabilityStream, SileroTurns, Turn
 from app.windows import N_SAMPLES, SAMPLE_RATE, Refresh, Shed
 
@@ -70,11 +78,16 @@ def ms(samples: int) -> int:
 
 class LiveSession:
     def __init__(self, decode: Decode, vad: VadModel | None, limits: LiveLimits | None = None,
-                 executor: Executor | None = None, session_id: str | None = None) -> None:
+                 executor: Executor | None = None, session_id: str | None = None,
+                 initial: dict[str, Any] | None = None) -> None:
+        """``initial``: the session a client secret was minted for (app/live/protocol.py
+        :func:`parse_session`, as stored in the secret): ``session.created`` already shows it."""
         self.id = session_id or new_id("sess")
         self.limits = limits or LiveLimits()
         self.outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
         self.config = SessionConfig()
+        if initial is not None:
+            self.config.apply(TranscriptionSession.model_validate(initial))
         self.items: list[LiveItem] = []
         self.counts = {"interim": 0, "interim_shed": 0, "final": 0, "errors": 0}
         self._decode, self._vad, self._executor = decode, vad, executor

@@ -37,7 +37,7 @@ from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.api.middleware.reply import deny, send_error
-from app.api.middleware.secrets import ClientSecrets, handshake_tokens, is_secret
+from app.api.middleware.secrets import ClientSecrets, bearer_token, handshake_tokens, is_secret
 from app.config import SecuritySettings, Settings
 from app.errors import NotFound, ServiceError
 from app.web import PAGE_PATHS
@@ -240,16 +240,6 @@ def path_key(scope: Scope) -> str | None:
     return key
 
 
-def bearer_token(scope: Scope) -> str | None:
-    for name, value in scope.get("headers", ()):
-        if name == b"authorization":
-            scheme, _, token = value.decode("latin-1").partition(" ")
-            if scheme.lower() == "bearer" and token.strip():
-                return token.strip()
-            return None
-    return None
-
-
 class ApiKeyMiddleware:
     """Sets ``request.state.owner`` from a valid key; anything else gets a JSON 401."""
 
@@ -289,9 +279,9 @@ class ApiKeyMiddleware:
         token = bearer_token(scope) or sub or query
         owner = None
         if token is not None and is_secret(token) and self.secrets is not None:
-            valid, owner = self.secrets.owner(token)
-            owner = owner if valid else None
-            valid_owner = valid
+            grant = self.secrets.grant(token)
+            valid_owner = grant is not None
+            owner = grant.owner if grant is not None else None
         else:
             owner = self.keys.owner(token) if token else None
             valid_owner = owner is not None

@@ -6,7 +6,9 @@ page's JavaScript sends as the subprotocol ``openai-insecure-api-key.<token>``. 
 a token is ``ek_<payload>.<mac>``, the payload (tenant, expiry) signed with HMAC-SHA256 under
 ``live.client_secret_key`` (or a random key per process), so checking one needs no store and
 says nothing to a guesser. It opens live sessions only: the key check takes it on WebSocket
-handshakes and nowhere else.
+handshakes and nowhere else. As on OpenAI's API, the ``session`` a secret is minted for (checked
+first, app/live/protocol.py ``parse_session``) is signed into it and is the session a socket
+opened with it starts as: a page need not send the config it was given.
 
 A handshake's credential, first found wins: the ``Authorization: Bearer`` header (an API key,
 checked as on every route), the ``openai-insecure-api-key.<token>`` subprotocol (a client
@@ -23,6 +25,7 @@ import json
 import secrets
 import time
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import parse_qs
 
 from starlette.types import Scope
@@ -40,6 +43,14 @@ class Minted:
     expires_at: int
 
 
+@dataclass(frozen=True)
+class Grant:
+    """What a valid client secret says: the tenant it was minted for, and the session."""
+
+    owner: str | None
+    session: dict[str, Any] | None = None
+
+
 class ClientSecrets:
     """Mints and checks client secrets (one instance per app, on ``app.state``)."""
 
@@ -48,27 +59,41 @@ class ClientSecrets:
         self._key = key.get_secret_value().encode() if key else secrets.token_bytes(32)
         self.ttl_s = settings.client_secret_ttl_s
 
-    def mint(self, owner: str | None, ttl_s: int | None = None) -> Minted:
+    def mint(self, owner: str | None, ttl_s: int | None = None,
+             session: dict[str, Any] | None = None) -> Minted:
         expires = int(time.time()) + (ttl_s or self.ttl_s)
-        payload = _b64(json.dumps({"o": owner, "e": expires, "n": secrets.token_hex(8)},
-                                  separators=(",", ":")).encode())
+        claims: dict[str, Any] = {"o": owner, "e": expires, "n": secrets.token_hex(8)}
+        if session:
+            claims["s"] = session
+        payload = _b64(json.dumps(claims, separators=(",", ":")).encode())
         return Minted(f"{PREFIX}{payload}.{self._mac(payload)}", expires)
 
-    def owner(self, token: str) -> tuple[bool, str | None]:
-        """(valid, tenant): a token this service minted and not yet expired."""
+    def grant(self, token: str) -> Grant | None:
+        """What a token this service minted and not yet expired grants; None for any other."""
         if not token.startswith(PREFIX) or "." not in token:
-            return False, None
+            return None
         payload, _, mac = token[len(PREFIX):].partition(".")
         if not hmac.compare_digest(mac, self._mac(payload)):
-            return False, None
+            return None
         try:
             data = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
             if int(data["e"]) < time.time():
-                return False, None
-            owner = data["o"]
-        except (ValueError, KeyError, TypeError):
-            return False, None
-        return True, owner if isinstance(owner, str) else None
+                return None
+            owner, session = data["o"], data.get("s")
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return None
+        return Grant(owner if isinstance(owner, str) else None,
+                     session if isinstance(session, dict) else None)
+
+    def session_of(self, scope: Scope) -> dict[str, Any] | None:
+        """The session of the client secret a handshake came with, found where the key check
+        looks first (the ``Authorization`` header, as the ``openai`` SDK sends a secret given
+        as its api_key; the subprotocol; the query); None when that is an API key or nothing.
+        Checked again here, so keyless services, which check no credential, honour it too."""
+        sub, query = handshake_tokens(scope)
+        token = bearer_token(scope) or sub or query
+        grant = self.grant(token) if token is not None and is_secret(token) else None
+        return grant.session if grant is not None else None
 
     def _mac(self, payload: str) -> str:
         return _b64(hmac.new(self._key, payload.encode(), hashlib.sha256).digest())
@@ -76,6 +101,16 @@ class ClientSecrets:
 
 def _b64(raw: bytes) -> str:
     return base64.urlsafe_b64encode(raw).decode().rstrip("=")
+
+
+def bearer_token(scope: Scope) -> str | None:
+    for name, value in scope.get("headers", ()):
+        if name == b"authorization":
+            scheme, _, token = value.decode("latin-1").partition(" ")
+            if scheme.lower() == "bearer" and token.strip():
+                return token.strip()
+            return None
+    return None
 
 
 def is_secret(token: str) -> bool:
