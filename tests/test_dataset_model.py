@@ -159,13 +159,13 @@ def test_service_killed_and_restarted_the_client_carries_on(
         make_server: type[Server], corpus: list[Clip], tmp_path: Path) -> None:
     data = tmp_path / "svc"
     srv = make_server(data).start()
-    clips = short_rows(corpus, 24)
+    clips = short_rows(corpus, 16)  # (24 before: 8 more rows after the restart show no more)
     out = tmp_path / "out.jsonl"
     client = subprocess.Popen(dataset_cmd(nemo_manifest(clips, tmp_path / "m.jsonl"), out, [srv],
                                           "--max-in-flight", "12"),
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        assert wait_until(lambda: lines(out) >= 10 or client.poll() is not None, 600, step=0.05)
+        assert wait_until(lambda: lines(out) >= 6 or client.poll() is not None, 600, step=0.05)
         srv.kill()  # kill -9: no drain
         assert client.poll() is None and lines(out) < len(clips)
         time.sleep(2)  # the client meets a dead port for a while
