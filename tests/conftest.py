@@ -29,12 +29,14 @@ CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "cor
 READ_SPEECH = ("librispeech", "ljspeech", "librivox")
 
 
-# Test files that took >= 100 s under three pytest workers (junit times at 3b7121a): collected
-# first, so xdist's --dist loadfile (which hands out files in collection order) starts them
-# first and the run does not end waiting on one of them started late (longest first).
-HEAVY_FIRST = ("test_ray_model", "test_unsure", "test_dataset_model", "test_gpu_service",
-               "test_language", "test_crash", "test_accuracy", "test_postgres",
-               "test_default_beam", "test_decode_cap")
+# Test files by their time under three pytest workers (timeline at 5144075: 263 s for the first,
+# 62 s for the last), collected first, longest first: xdist's --dist
+# loadfile hands files out in collection order (scripts/test turns its reordering off), so the
+# run does not end waiting on a heavy file started late.
+HEAVY_FIRST = ("test_ray_model", "test_dataset_model", "test_gpu_service", "test_unsure",
+               "test_crash", "test_postgres", "test_vad", "test_accuracy", "test_decode_cap",
+               "test_default_beam", "test_language", "test_openai_stream", "test_schemathesis",
+               "test_prometheus")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
