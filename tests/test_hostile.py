@@ -5,8 +5,8 @@ tests/test_security.py.
 One service with two API keys, webhooks on and small per-key limits. Checks: the reported SSRF
 URLs are refused at submit; the OpenAI SDK makes one request and one job for audio found
 undecodable later (a 4xx that says not to retry); form parts, event streams and file names are
-bounded; a key flooding tiny jobs gets 429s naming its limit while another key gets none (and,
-once the batcher is fair across keys, finishes within 3x its idle latency).
+bounded; a key flooding tiny jobs gets 429s naming its limit while another key gets none and
+waits only for the engine work that limit admits.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import httpx
 import numpy as np
 import openai
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from app.audio import decode
 from loadtest.hostile_inputs import SSRF_URLS, encode, header_only_wav, lying_flac, wav
@@ -238,6 +239,8 @@ class Phases:
     queue_wait_s: float  # committed -> claimed (the store's claim order)
     processing_s: float  # claimed -> done (prep, batcher, engine)
     status: int
+    batches: int = 0  # engine batches that ran from the post to the answer
+    windows: int = 0  # windows those batches transcribed
 
 
 @dataclass
@@ -251,16 +254,29 @@ class Flood:
         return statistics.median(getattr(r, what) for r in runs)
 
 
+def engine_batches(srv: Server) -> tuple[int, int]:
+    with srv.client() as c:
+        text = c.get("/metrics").text
+    fams = {f.name: f for f in text_string_to_metric_families(text)}
+    batches = sum(s.value for s in fams["batchscribe_batches"].samples if s.name.endswith("_total"))
+    windows = sum(s.value for s in fams["batchscribe_batch_size_windows"].samples
+                  if s.name.endswith("_sum"))
+    return int(batches), int(windows)
+
+
 def timed(srv: Server, key: str, clip: Clip) -> Phases:
+    before = engine_batches(srv)
     start = time.time()
     r = post(srv, key, data={"language": "en"}, wait=True,
              files={"file": (clip.path.name, clip.path.read_bytes())})
     total = time.time() - start
+    after = engine_batches(srv)
+    batches, windows = after[0] - before[0], after[1] - before[1]
     if r.status_code != 200:
-        return Phases(total, 0, 0, 0, r.status_code)
+        return Phases(total, 0, 0, 0, r.status_code, batches, windows)
     job = r.json()
     return Phases(total, job["created_at"] - start, job["queue_wait_s"] or 0,
-                  job["processing_s"] or 0, r.status_code)
+                  job["processing_s"] or 0, r.status_code, batches, windows)
 
 
 @pytest.fixture(scope="module")
@@ -294,7 +310,7 @@ def flooded(hostile: Server, short_clip: Clip) -> Flood:
             t.join(60)
     run = Flood(idle, loaded, outcomes)
     refused = sum(1 for r in outcomes if r.status_code == 429)
-    for name in ("total_s", "accepted_s", "queue_wait_s", "processing_s"):
+    for name in ("total_s", "accepted_s", "queue_wait_s", "processing_s", "batches", "windows"):
         print(f"B {name}: idle median {Flood.median(idle, name):.2f}, under A's flood "
               f"{Flood.median(loaded, name):.2f} ({[round(getattr(p, name), 2) for p in loaded]})")
     print(f"A: {len(outcomes)} requests, {len(outcomes) - refused} accepted, {refused} refused")
@@ -313,6 +329,17 @@ def test_a_key_flooding_tiny_jobs_is_limited_and_another_key_is_not(flooded: Flo
     assert {r.status_code for r in flooded.flood} <= {202, 429}
 
 
-def test_another_key_finishes_within_3x_its_idle_latency(flooded: Flood) -> None:
-    idle_s, loaded_s = Flood.median(flooded.idle, "total_s"), Flood.median(flooded.loaded, "total_s")
-    assert loaded_s <= 3 * idle_s, (loaded_s, idle_s)
+def test_another_key_waits_only_for_what_as_limit_admits(flooded: Flood) -> None:
+    """The service is not taken away from B: the engine work done between B's post and its
+    answer (windows transcribed, every tenant's) stays within B's own plus what A's per-key
+    limit lets into the batcher: the batch running when B arrives and the one B rides in.
+
+    Counted in windows, not seconds: this check used to be B's wall latency within 3x its idle
+    latency, which held alone (0.63 s vs 0.38 s) but failed once in CI (1.60 s vs 0.53 s) with
+    the two other test workers on the same 2 cores, so it measured the neighbours. Windows do
+    not depend on them, and they still tell the failure apart: with A's limit raised from 6 to
+    400 jobs each of B's requests waited for 49 windows in 4 batches (7.7 s); with it, 1-7."""
+    idle = Flood.median(flooded.idle, "windows")
+    loaded = Flood.median(flooded.loaded, "windows")
+    assert idle >= 1, flooded.idle  # B's own clip is one window or more
+    assert loaded <= idle + 2 * JOBS_PER_KEY, (loaded, idle, [p.windows for p in flooded.loaded])
