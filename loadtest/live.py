@@ -14,7 +14,8 @@ silence VAD waits for). Interim text: a ``delta`` for an item over the utterance
 chunk was sent. Also counted: the protocol's own promise (each item's deltas join to its
 ``transcript``), ``error`` and ``failed`` events. ``--batch-wer`` transcribes the same clips
 through ``/transcribe`` afterwards, clip by clip and each stream's audio as one upload: live
-WER against batch WER of the same speech.
+WER against batch WER of the same speech, overall and (``wer_by_turns``) by how the session's
+VAD cut each utterance: held whole by one turn, split at pauses, merged, or not heard.
 
 ``--beside long`` keeps a 20-minute upload in flight throughout (posted again when it ends), as
 loadtest/traffic.py does for short clips. Streams, pacing and scores: loadtest/live_common.py.
@@ -33,7 +34,17 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.live_common import Outcome, Stream, build_stream, live_clips, loadavg, paced, score
+from loadtest.live_common import (
+    Outcome,
+    Stream,
+    build_stream,
+    live_clips,
+    loadavg,
+    paced,
+    score,
+    turns_over,
+    wer_by_turns,
+)
 
 SESSION = {"type": "transcription", "audio": {"input": {
     "format": {"type": "audio/pcm", "rate": 24000},
@@ -136,6 +147,9 @@ async def one_session(url: str, stream: Stream, headers: dict[str, str], drain_s
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
     out.text = " ".join(t.strip() for t in items.done.values() if t.strip())
+    out.turns = turns_over(stream.utterances, [
+        (sp[0], sp[1], text) for i, text in items.done.items()
+        if (sp := items.span.get(i)) is not None and sp[0] is not None])
     return out, items
 
 
@@ -147,22 +161,28 @@ async def run_sessions(url: str, streams: list[Stream], headers: dict[str, str] 
     return {"streams": len(streams), **score(streams, outcomes),
             "deltas_not_joining": sum(i.broken for _, i in got),
             "items_completed": sum(len(i.done) for _, i in got),
-            "texts": [o.text for o in outcomes]}
+            "texts": [o.text for o in outcomes], "outcomes": outcomes}
 
 
-async def batch_wer(base_url: str, streams: list[Stream]) -> float | None:
-    """The same clips through ``/transcribe`` (language en), scored as the live streams are."""
+async def batch_texts(base_url: str, streams: list[Stream]) -> dict[str, str]:
+    """The same clips through ``/transcribe`` (language en), each clip's text."""
     from loadtest.common import load_corpus
-    from loadtest.scoring import wer_percent
     from loadtest.service import Client
 
     by_id = {c.id: c for c in load_corpus()}
     used = [by_id[u.clip_id] for s in streams for u in s.utterances]
     client = Client(base_url, used, "en")
     try:
-        texts = {c.id: (await client.transcribe(c)).text or "" for c in {c.id: c for c in used}.values()}
+        return {c.id: (await client.transcribe(c)).text or ""
+                for c in {c.id: c for c in used}.values()}
     finally:
         await client.close()
+
+
+def batch_wer(streams: list[Stream], texts: dict[str, str]) -> float | None:
+    """The clips' upload texts scored as the live streams are."""
+    from loadtest.scoring import wer_percent
+
     refs = [" ".join(u.reference for u in s.utterances) for s in streams]
     return wer_percent(refs, [" ".join(texts[u.clip_id] for u in s.utterances) for s in streams])
 
@@ -234,11 +254,14 @@ async def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                       if args.beside == "long" else None)
             load = loadavg()
             r = await run_sessions(ws_url, streams, headers, args.drain, args.tolerance)
+            outcomes = r.pop("outcomes")
             stop.set()
             r.update({"load_before": load, "load_after": loadavg(), "beside": args.beside,
                       "long_uploads_posted": await beside if beside else 0})
             if args.batch_wer:
-                r["batch_wer_percent"] = await batch_wer(base, streams)
+                texts = await batch_texts(base, streams)
+                r["batch_wer_percent"] = batch_wer(streams, texts)
+                r["wer_by_turns"] = wer_by_turns(streams, outcomes, texts)
                 r["batch_stream_wer_percent"] = await batch_stream_wer(base, streams, work)
             results.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "texts"}), flush=True)

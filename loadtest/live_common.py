@@ -97,6 +97,9 @@ class Outcome:
     interim_before_end: set[int] = field(default_factory=set)
     heard: set[int] = field(default_factory=set)  # utterances some completed text overlaps
     text: str = ""  # everything finalised, in order
+    # per utterance, the finalised texts of the turns that overlap it ([] where none does), and
+    # for each of those turns, how many utterances it overlaps
+    turns: list[list[tuple[str, int]]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     t0: float = 0.0  # wall time of stream time 0
 
@@ -183,6 +186,46 @@ def score(streams: Sequence[Stream], outcomes: Sequence[Outcome]) -> dict[str, A
         "wer_heard_percent": wer_percent(heard, [o.text for o in outcomes]),
         "errors": sorted({e for o in outcomes for e in o.errors})[:10],
     }
+
+
+def turns_over(utterances: Sequence[Utterance], spans: Sequence[tuple[float, float | None, str]]
+               ) -> list[list[tuple[str, int]]]:
+    """Per utterance, the ``(text, utterances it overlaps)`` of each finalised turn
+    ``(start_s, end_s, text)`` that overlaps it (see :func:`wer_by_turns`)."""
+    def over(start: float, end: float | None, u: Utterance) -> bool:
+        return start < u.end_s and (end is None or end > u.start_s)
+
+    reach = [sum(over(a, b, u) for u in utterances) for a, b, _ in spans]
+    return [[(t, n) for (a, b, t), n in zip(spans, reach, strict=True) if over(a, b, u)]
+            for u in utterances]
+
+
+def wer_by_turns(streams: Sequence[Stream], outcomes: Sequence[Outcome],
+                 batch: dict[str, str]) -> dict[str, Any]:
+    """Live WER against batch WER (``batch``: each clip's upload text), utterance by utterance,
+    split by how the session's VAD cut them: **one turn** (one turn holds the utterance and
+    nothing else: the same audio as the upload, so any difference is the decoding's), **split**
+    (the client's ``silence_duration_ms`` ended turns at pauses inside it, and each piece was
+    decoded without the rest), **merged** (a turn held it and another utterance), **not heard**
+    (no turn: the VAD took it for silence). Texts joined in turn order."""
+    rows: dict[str, list[tuple[str, str, str]]] = {"one_turn": [], "split": [], "merged": []}
+    not_heard = 0
+    for s, o in zip(streams, outcomes, strict=True):
+        for u, turns in zip(s.utterances, o.turns, strict=True):
+            if not turns:
+                not_heard += 1
+                continue
+            kind = ("merged" if any(n > 1 for _, n in turns)
+                    else "one_turn" if len(turns) == 1 else "split")
+            rows[kind].append((u.reference, " ".join(t.strip() for t, _ in turns),
+                               batch[u.clip_id]))
+    out: dict[str, Any] = {"not_heard": not_heard}
+    for kind, rs in rows.items():
+        refs = [r for r, _, _ in rs]
+        out[kind] = {"utterances": len(rs), "words": sum(len(r.split()) for r in refs),
+                     "live_wer_percent": wer_percent(refs, [t for _, t, _ in rs]) if rs else None,
+                     "batch_wer_percent": wer_percent(refs, [t for _, _, t in rs]) if rs else None}
+    return out
 
 
 def loadavg() -> list[float]:

@@ -16,7 +16,7 @@ from app.live.audio import encode_pcm16
 from app.live.session import LiveSession, serve
 from loadtest.common import free_port
 from loadtest.live import run_sessions
-from loadtest.live_common import Outcome, Stream, Utterance, score
+from loadtest.live_common import Outcome, Stream, Utterance, score, turns_over, wer_by_turns
 from tests.live_fakes import EnergyVad, ScriptedDecoder, silence, speech
 
 websockets = pytest.importorskip("websockets")
@@ -74,6 +74,9 @@ async def test_the_bench_client_measures_turns_against_the_protocol(fake_service
     assert r["deltas_not_joining"] == 0 and r["items_completed"] == 3
     assert r["wer_percent"] == 0.0
     assert r["texts"][0] == "w0 w1 w2 w3 w4 w5 w6 w7 w8 w0 w1 w2 w3"
+    # each utterance held by one turn of its own, whose text is the utterance's
+    assert [o.turns for o in r["outcomes"]] == [
+        [[("w0 w1 w2 w3 w4 w5 w6 w7 w8", 1)], [("w0 w1 w2 w3", 1)]], [[("w0 w1 w2 w3 w4", 1)]]]
 
 
 async def test_the_official_sdk_runs_a_transcription_session(fake_service: str) -> None:
@@ -141,3 +144,25 @@ def test_wer_of_the_heard_utterances_leaves_out_what_the_vad_missed() -> None:
     r = score([s], [out])
     assert r["not_heard"] == 1
     assert r["wer_heard_percent"] == 0.0 and r["wer_percent"] == 50.0
+
+
+def test_wer_by_turns_compares_live_and_batch_on_the_same_cuts() -> None:
+    """Four utterances: one held by a turn of its own, one split by a pause into two turns, one
+    no turn covered, and two sharing one turn: each counted in its own class, live against the
+    clip's upload text."""
+    u = [Utterance(f"c{k}", ref, 3.0 * k, 3.0 * k + 2.0)
+         for k, ref in enumerate(["red green blue", "cat dog bird", "apple", "pear", "plum"])]
+    spans = [(0.0, 2.1, "red green blue"), (2.9, 4.0, "cat"), (4.0, 5.1, "dig bard"),
+             (8.9, 14.0, "pear plum")]
+    turns = turns_over(u, spans)
+    assert [len(t) for t in turns] == [1, 2, 0, 1, 1]
+    out = Outcome(turns=turns)
+    batch = {"c0": "red green blue", "c1": "cat dog bird", "c2": "apple", "c3": "pear",
+             "c4": "plum"}
+    r = wer_by_turns([Stream(np.zeros(1), u)], [out], batch)
+    assert r["not_heard"] == 1
+    assert r["one_turn"] == {"utterances": 1, "words": 3, "live_wer_percent": 0.0,
+                             "batch_wer_percent": 0.0}
+    assert r["split"]["utterances"] == 1 and r["split"]["batch_wer_percent"] == 0.0
+    assert round(r["split"]["live_wer_percent"]) == 67  # "cat dig bard": two of three wrong
+    assert r["merged"]["utterances"] == 2 and r["merged"]["words"] == 2
