@@ -267,6 +267,10 @@ class LiveSettings(BaseModel):
         "keep the model's pad_margin_s). The encoder costs its padded length, and at 16 streams "
         "interim encodes took a quarter of the engine's time; the final supersedes what an "
         "interim reads.")
+    final_pad_margin_s: float | None = Field(
+        None, ge=2.0, le=30.0,
+        description="Dynamic time axis: silence padded after a turn's final decode (None: the "
+        "model's pad_margin_s).")
     early_final_ms: int = Field(
         200, ge=0, le=10_000,
         description="Server VAD: a turn's final decode starts once its speech has been quiet "
