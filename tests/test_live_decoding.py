@@ -72,8 +72,9 @@ async def test_a_cancelled_decode_never_reaches_the_engine(
 
 async def test_interim_windows_carry_their_own_pad_margin(
         staged: tuple[FakeStagedEngine, Batcher], monkeypatch: pytest.MonkeyPatch) -> None:
-    """Interims are padded with ``interim_pad_margin_s``, finals with the engine's margin; the
-    engine pads a window by its own margin where it has one (app/engine/whisper.py)."""
+    """Interims are padded with ``interim_pad_margin_s``, finals with ``final_pad_margin_s``
+    (None: the engine's margin); the engine pads a window by its own margin where it has one
+    (app/engine/whisper.py)."""
     _, batcher = staged
     margins: list[float | None] = []
     submit = batcher.submit
@@ -83,10 +84,12 @@ async def test_interim_windows_carry_their_own_pad_margin(
         return submit(job_id, windows, options, **kw)
 
     monkeypatch.setattr(batcher, "submit", spy)
-    decode = batcher_decoder(batcher, "sess_3", interim_pad_margin_s=3.0)
-    for kind in ("interim", "final"):
-        await asyncio.wait_for(decode(tagged_window(4).audio, LiveOptions(), kind), BOUND)
-    assert margins == [3.0, None]
+    for final in (None, 4.0):
+        decode = batcher_decoder(batcher, "sess_3", interim_pad_margin_s=3.0,
+                                 final_pad_margin_s=final)
+        for kind in ("interim", "final"):
+            await asyncio.wait_for(decode(tagged_window(4).audio, LiveOptions(), kind), BOUND)
+    assert margins == [3.0, None, 3.0, 4.0]
 
 
 @pytest.mark.model

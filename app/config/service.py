@@ -263,10 +263,17 @@ class LiveSettings(BaseModel):
         1000, ge=0, description="Re-decode an open turn after this much more audio (0: never).")
     interim_pad_margin_s: float = Field(
         3.0, ge=2.0, le=30.0,
-        description="Dynamic time axis: silence padded after an interim decode's audio (finals "
-        "keep the model's pad_margin_s). The encoder costs its padded length, and at 16 streams "
+        description="Dynamic time axis: silence padded after an interim decode's audio (finals: "
+        "final_pad_margin_s). The encoder costs its padded length, and at 16 streams "
         "interim encodes took a quarter of the engine's time; the final supersedes what an "
         "interim reads.")
+    final_pad_margin_s: float | None = Field(
+        3.0, ge=2.0, le=30.0,
+        description="Dynamic time axis: silence padded after a turn's final decode (None: the "
+        "model's pad_margin_s, 8 s). At 16 streams final encodes were the engine's largest live "
+        "cost (25 of 97 worker-seconds beside a long upload, 0.24 s each at 8 s); at 3 s the "
+        "turn p95 beside the upload read 1.78-1.96 s in three runs (1.61-2.74 s at 8 s), the "
+        "same alone, and WER the same within a word or two a run (loadtest/README.md).")
     early_final_ms: int = Field(
         200, ge=0, le=10_000,
         description="Server VAD: a turn's final decode starts once its speech has been quiet "

@@ -130,6 +130,7 @@ class LiveHall:
         interim = self._metrics.live_interim
         return batcher_decoder(self._batcher, new_job_id()[:12], owner,
                                interim_pad_margin_s=self.settings.live.interim_pad_margin_s,
+                               final_pad_margin_s=self.settings.live.final_pad_margin_s,
                                on_interim=lambda outcome: interim.labels(outcome).inc())
 
     def _timed_send(self, call: LiveCall, arrived: list[float]

@@ -112,10 +112,12 @@ class _BatcherDecode:
 
     def __init__(self, batcher: Batcher, session_id: str, owner: str | None,
                  options: DecodeOptions | None, interim_pad_margin_s: float | None,
-                 on_interim: Callable[[str], None] | None) -> None:
+                 on_interim: Callable[[str], None] | None,
+                 final_pad_margin_s: float | None = None) -> None:
         self._batcher, self._session, self._owner = batcher, session_id, owner
         self._key = options or DecodeOptions()
         self._margin = interim_pad_margin_s
+        self._final_margin = final_pad_margin_s
         self._count = on_interim or (lambda outcome: None)
         self._counter = itertools.count()
         self._jobs: weakref.WeakKeyDictionary[asyncio.Task[Any], str] = \
@@ -124,7 +126,7 @@ class _BatcherDecode:
     async def __call__(self, audio: np.ndarray, options: LiveOptions, kind: Kind,
                        refresh: Refresh = (0, 0.0)) -> Decoded:
         job = f"live-{self._session}-{kind}-{next(self._counter)}"
-        margin = self._margin if kind == "interim" else None
+        margin = self._margin if kind == "interim" else self._final_margin
         [fut] = self._batcher.submit(job, [options.window(audio, margin)], self._key,
                                      job_windows=1, owner=self._owner, urgency=urgency(kind),
                                      refresh=refresh)
@@ -150,8 +152,10 @@ class _BatcherDecode:
 def batcher_decoder(batcher: Batcher, session_id: str, owner: str | None = None,
                     options: DecodeOptions | None = None,
                     interim_pad_margin_s: float | None = None,
-                    on_interim: Callable[[str], None] | None = None) -> Decode:
+                    on_interim: Callable[[str], None] | None = None,
+                    final_pad_margin_s: float | None = None) -> Decode:
     """Each decode a one-window job of the shared batcher (``job_windows=1``: a short request,
     so it rides the decoder pool like a short upload, and beside a long upload it is a "fresh"
     job that gets a batch of its own). ``on_interim("sent" | "shed")`` counts interim decodes."""
-    return _BatcherDecode(batcher, session_id, owner, options, interim_pad_margin_s, on_interim)
+    return _BatcherDecode(batcher, session_id, owner, options, interim_pad_margin_s, on_interim,
+                          final_pad_margin_s)
