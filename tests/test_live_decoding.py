@@ -15,7 +15,7 @@ from app.engine.placement import EngineRunner
 from app.engine.whisper import WhisperEngine
 from app.live.decoding import LiveOptions, batcher_decoder, engine_decoder
 from app.metrics import Metrics
-from app.windows import SAMPLE_RATE
+from app.windows import SAMPLE_RATE, DecodeOptions
 from tests.fakes import BOUND, FakeStagedEngine, Started, tagged_window
 
 
@@ -99,3 +99,26 @@ def test_the_engine_pads_a_window_by_its_own_margin(engine: WhisperEngine) -> No
     assert engine.padded_samples(w) == 10 * SAMPLE_RATE
     w.pad_margin_s = 3.0
     assert engine.padded_samples(w) == 5 * SAMPLE_RATE
+
+
+@pytest.mark.model
+def test_a_live_finals_redo_reads_it_at_the_engines_margin_first(
+        engine: WhisperEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """2 s of audio padded 3 s (5 s): its redo is encoded at the engine's own 10 s, not 30 s;
+    a window at the engine's margin goes straight to 30 s."""
+    lengths: list[int] = []
+    transcribe = engine._transcribe
+
+    def spy(windows, options, n, languages=None):  # type: ignore[no-untyped-def]
+        lengths.append(n)
+        return transcribe(windows, options, n, languages)
+
+    monkeypatch.setattr(engine, "_transcribe", spy)
+    live = tagged_window(1, 2.0)
+    live.pad_margin_s = 3.0
+    plain = tagged_window(2, 2.0)
+    for w in (live, plain):
+        [encoded] = engine.encode([w], DecodeOptions())
+        [r] = engine.redo([w], [encoded], DecodeOptions())
+        assert r.text is not None
+    assert lengths[0] == 10 * SAMPLE_RATE and lengths[-1] == 30 * SAMPLE_RATE, lengths

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from functools import partial
 
@@ -14,7 +15,7 @@ import pytest
 
 from app.batching.batcher import Batcher
 from app.batching.stages import Item, Stages
-from app.batching.urgency import shed_stale
+from app.batching.urgency import SlotPolicy, shed_stale
 from app.config import BatcherSettings
 from app.engine.placement import EngineRunner
 from app.metrics import Metrics
@@ -249,3 +250,56 @@ async def test_a_long_upload_alone_takes_every_worker(rig_factory) -> None:
     assert rig.batcher._policy.bulk_running == 2
     fake.long_gate.set()
     assert len(await gather(long)) == 12
+
+
+def test_beside_live_sessions_bulk_keeps_to_its_share_of_a_worker() -> None:
+    """A quarter of one worker: after a bulk call of 1 s, the next starts 3 s after it ended,
+    while live windows keep coming; once they stop for 5 s, bulk goes as before."""
+    policy = SlotPolicy(reserved=1, live_share=0.25)
+    policy.saw_light(100.0, live=True)
+    assert policy.bulk_ok(2, now=100.0)  # no bulk call yet
+    policy.bulk_done(100.0, 101.0)
+    assert policy.held_until(101.5) == 104.0 and not policy.bulk_ok(2, now=101.5)
+    policy.saw_light(103.5, live=True)
+    assert not policy.bulk_ok(2, now=103.9)
+    assert policy.bulk_ok(2, now=104.0)  # its share waited out
+    policy.bulk_done(104.0, 106.0)  # 2 s: the next 6 s later, unless live stops first
+    assert policy.held_until(106.5) == 108.5  # 5 s after the last live window
+    assert policy.bulk_ok(2, now=108.6)
+    assert SlotPolicy(reserved=1).held_until(0.0) is None  # share 1: never held
+    short = SlotPolicy(reserved=1, live_share=0.25)
+    short.saw_light(100.0)  # a short request is not a live session
+    short.bulk_done(100.0, 101.0)
+    assert short.bulk_ok(2, now=101.5)
+
+
+class SlowLong(HeldLong):
+    """A long upload's calls take 20 ms (its gate open): a bulk call with a duration."""
+
+    def _enter(self, stage: str, windows: Sequence[Window]) -> None:
+        if any(tag_of(w) >= LONG for w in windows):
+            time.sleep(0.02)
+        super()._enter(stage, windows)
+
+
+async def test_bulk_held_for_its_share_resumes_once_live_sessions_stop(
+        rig_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A bulk call of 20 ms beside a live session, at a share that would hold the next for 40 s
+    (beyond the test's bound): live windows stop, and the batcher wakes by itself once the
+    sessions count as quiet (no other event comes), so the upload's windows finish."""
+    import app.batching.urgency as urgency_module
+
+    monkeypatch.setattr(urgency_module, "LIVE_RECENT_S", 0.3)
+    fake = SlowLong(workers=2)
+    fake.long_gate.set()
+    rig = rig_factory(cap=2, workers=2, fake=fake, reserved_slots=1,
+                      bulk_share_beside_live=0.0005)
+    await gather(rig.batcher.submit("live", [tagged_window(1, 3)], EN, urgency=Urgency.LIVE_FINAL))
+    spoke = rig.batcher._policy.live_seen
+    long = rig.batcher.submit("long", [tagged_window(LONG + k, 30, start=30.0 * k)
+                                       for k in range(3)], EN, job_windows=40)
+    results = await gather(long)
+    assert [r.text for r in results] == [f"w{LONG + k}" for k in range(3)]
+    assert len([c for c in rig.calls() if c[0] >= LONG]) >= 2  # a batch holds 2: two calls
+    assert time.monotonic() >= spoke + 0.3  # the second held until the session went quiet
+    assert rig.batcher._policy.bulk_next > spoke + 30  # the share alone would have held it on

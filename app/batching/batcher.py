@@ -76,7 +76,8 @@ class Batcher(EngineCalls):
         self._redo: list[Item] = []  # decoded windows waiting for their fallback call
         self._cost = CostModel(settings.batch_cost_s)
         self._live = 0  # live windows submitted and not answered: the cost budget is on
-        self._policy = SlotPolicy(settings.reserved_slots if stages else 0)
+        self._policy = SlotPolicy(settings.reserved_slots if stages else 0,
+                                  live_share=settings.bulk_share_beside_live)
         self._shed_count = metrics.interim_shed.inc
         self._running: set[asyncio.Task[None]] = set()
         self._task: asyncio.Task[None] | None = None
@@ -104,7 +105,7 @@ class Batcher(EngineCalls):
         group = self._groups.setdefault(options, [])
         size = max(job_windows or 0, first_rank + len(windows))
         if urgency is not Urgency.REQUEST or size <= self.cap:  # short or live: keep the reserve
-            self._policy.saw_light(time.monotonic())
+            self._policy.saw_light(time.monotonic(), live=urgency is not Urgency.REQUEST)
         futures = []
         for k, w in enumerate(windows):
             fut: asyncio.Future[WindowResult] = loop.create_future()
@@ -274,6 +275,9 @@ class Batcher(EngineCalls):
         if not items:
             if first and self._stages is not None:  # the final's group could not go: decode
                 return self._pick_decode(now, idle=True)[0], deadline
+            held = self._policy.held_until(now)  # bulk waits out its share beside live sessions
+            if held is not None:
+                deadline = held if deadline is None else min(deadline, held)
             return None, deadline
         # An upload of more windows than a batch holds fills decoder batches by itself: its
         # windows run both stages in one call and stay out of the pool. An upload of a few
@@ -384,6 +388,7 @@ class Batcher(EngineCalls):
         """Run a batch on the slot it was given; after an encode, decode on the same slot any
         group of its windows that is ready (a short request then waits for one free worker,
         not two), and only then hand the slot back."""
+        started = time.monotonic()
         try:
             next_batch: Batch | None = batch
             while next_batch is not None:
@@ -391,6 +396,8 @@ class Batcher(EngineCalls):
                 next_batch = self._chained(next_batch)
         finally:
             self._policy.bulk_running -= batch.bulk
+            if batch.bulk:
+                self._policy.bulk_done(started, time.monotonic())
             self._slots.release()
             self._update_gauges()
             self._wake.set()  # encoded windows may complete a decode group

@@ -170,6 +170,14 @@ class BatcherSettings(BaseModel):
         "urgency.py). In force while short or live work came in the last 30 s; a long upload "
         "alone takes every worker.",
     )
+    bulk_share_beside_live: float = Field(
+        0.25, gt=0, le=1,
+        description="Two stages (CPU): while live sessions speak (a live window in the last 5 s), "
+        "bulk work (a long upload's windows, 30 s fallbacks) uses at most this share of one "
+        "worker's time, so a long upload still moves and the microphones keep the engine. At 16 "
+        "streams beside a 20-minute upload its calls held one worker of two 76 % of the time "
+        "(app/batching/urgency.py). 1: no limit.",
+    )
     batch_cost_s: float = Field(
         3.0, ge=0, le=600,
         description="While live windows are in the batcher, a batch of short work is cut to "
