@@ -102,23 +102,36 @@ def test_the_engine_pads_a_window_by_its_own_margin(engine: WhisperEngine) -> No
 
 
 @pytest.mark.model
-def test_a_live_finals_redo_reads_it_at_the_engines_margin_first(
+def test_a_live_finals_redo_stays_at_the_engines_margin(
         engine: WhisperEngine, monkeypatch: pytest.MonkeyPatch) -> None:
-    """2 s of audio padded 3 s (5 s): its redo is encoded at the engine's own 10 s, not 30 s;
-    a window at the engine's margin goes straight to 30 s."""
-    lengths: list[int] = []
-    transcribe = engine._transcribe
+    """2 s of audio padded 3 s (5 s): its redo is encoded at the engine's own 10 s, and
+    Whisper's fallbacks (the wider beam, the repetition penalty) run there, never at 30 s; a
+    window at the engine's margin goes to 30 s as an upload's does."""
+    encoded_at: list[int] = []
+    fallbacks_at: list[int] = []
+    encode, widen = engine._encode, engine._widen
 
-    def spy(windows, options, n, languages=None):  # type: ignore[no-untyped-def]
-        lengths.append(n)
-        return transcribe(windows, options, n, languages)
+    def spy_encode(windows, n, languages=None):  # type: ignore[no-untyped-def]
+        encoded_at.append(n)
+        return encode(windows, n, languages)
 
-    monkeypatch.setattr(engine, "_transcribe", spy)
+    def spy_widen(encoder_output, prompts, budgets, languages, options, out):  # type: ignore[no-untyped-def]
+        fallbacks_at.append(encoded_at[-1])
+        return widen(encoder_output, prompts, budgets, languages, options, out)
+
+    monkeypatch.setattr(engine, "_encode", spy_encode)
+    monkeypatch.setattr(engine, "_widen", spy_widen)
     live = tagged_window(1, 2.0)
     live.pad_margin_s = 3.0
+    [encoded] = engine.encode([live], DecodeOptions())
+    encoded_at.clear()
+    [r] = engine.redo([live], [encoded], DecodeOptions())
+    assert r.text is not None
+    assert encoded_at == [10 * SAMPLE_RATE] and fallbacks_at == [10 * SAMPLE_RATE], \
+        (encoded_at, fallbacks_at)
     plain = tagged_window(2, 2.0)
-    for w in (live, plain):
-        [encoded] = engine.encode([w], DecodeOptions())
-        [r] = engine.redo([w], [encoded], DecodeOptions())
-        assert r.text is not None
-    assert lengths[0] == 10 * SAMPLE_RATE and lengths[-1] == 30 * SAMPLE_RATE, lengths
+    [encoded] = engine.encode([plain], DecodeOptions())
+    encoded_at.clear()
+    engine.redo([plain], [encoded], DecodeOptions())
+    assert encoded_at == [30 * SAMPLE_RATE] and fallbacks_at[-1] == 30 * SAMPLE_RATE, \
+        (encoded_at, fallbacks_at)

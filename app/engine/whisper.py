@@ -221,24 +221,32 @@ class WhisperEngine:
              options: DecodeOptions) -> list[WindowResult]:
         """The fallbacks :meth:`decode` left out (``redo=False``): the same text as a decode
         with them (a decode is deterministic, so the first pass repeats exactly). Windows
-        shorter than 30 s are encoded again at 30 s; 30 s ones decode from their encoder output."""
+        shorter than 30 s are encoded again at 30 s (a live final: at the engine's margin, see
+        :meth:`_redo_length`); 30 s ones decode from their encoder output."""
         languages = [(e.language, e.language_probability) for e in encoded]
         out: list[WindowResult | None] = [None] * len(windows)
         for k, (w, e) in enumerate(zip(windows, encoded, strict=True)):
             if e.samples == N_SAMPLES:
                 [out[k]] = self._decode([w], _stacked([e]), [languages[k]], options, N_SAMPLES)
+            elif (n := self._redo_length(w, e.samples)) < N_SAMPLES:
+                enc, langs = self._encode([w], n, [languages[k]])
+                [out[k]] = self._decode([w], enc, langs, options, n, fallback=True, anywhere=True)
             else:
-                n = self._redo_length(w, e.samples)
                 [out[k]] = self._transcribe([w], options, n, [languages[k]])
         return [r for r in out if r is not None]
 
     def _redo_length(self, window: Window, samples: int) -> int:
         """Where a window's redo is encoded: 30 s, except a window padded under the engine's own
-        margin (a live final, ``pad_margin_s``) is first read as the engine pads it, and goes on
-        to 30 s from there only if that too needs it (:meth:`_transcribe`). Its result is then
-        what it would have been at the engine's margin. Measured at 16 live streams beside a
-        long upload, finals padded 3 s: 17 of 129 finals asked for the 30 s redo (1.1 s each;
-        7 of the 10 slowest finals), against 7 when padded 8 s."""
+        margin (a live final, ``pad_margin_s``), which is read as the engine pads it, with
+        Whisper's fallbacks (:meth:`_widen`, :meth:`_unloop`) run at that length and no 30 s
+        step (:meth:`redo`). A live final's redo is on its turn's latency, and the 30 s step
+        was most of it: at 16 live streams beside a long upload (engine trace, 9363db1), 20 of
+        129 finals were redone, 12.0 worker-seconds in all; those that went on to 30 s took
+        0.9-1.6 s each, and redone finals were 4 of the 5 slowest (turn p95 1.67 s). With the
+        fallbacks at the engine's margin: 21 redos, 5.1 worker-seconds, none over 0.7 s, p95
+        1.17 s; their texts matched the 30 s ones but on half-second turns of near-silence,
+        where the 30 s decode hallucinated too ("here." read "Thank you." at 30 s, "Thanks for
+        watching." at 10 s); live heard-WER: loadtest/README.md."""
         own = padded_length(len(window.audio), self._margin)
         if window.pad_margin_s is not None and samples < own < N_SAMPLES:
             return own
@@ -261,7 +269,8 @@ class WhisperEngine:
         return encoder_output, languages or self._detector.languages(windows, encoder_output, n)
 
     def _decode(self, windows: Sequence[Window], encoder_output: Any, languages: Languages,
-                options: DecodeOptions, n: int, fallback: bool = True) -> list[WindowResult]:
+                options: DecodeOptions, n: int, fallback: bool = True, anywhere: bool = False
+                ) -> list[WindowResult]:
         """Windows whose languages ask for different beams (:meth:`DecodeOptions.beam_for`)
         decode in one generate per beam, from the same encoder output. The batcher sized the
         batch for ``beam_size``; on a GPU a wider beam's windows go in parts of ``batch x
@@ -282,13 +291,15 @@ class WhisperEngine:
                         else batch_rows(encoder_output, part))
                 for k, r in zip(part, self._decode_one(
                         [windows[k] for k in part], rows, [languages[k] for k in part],
-                        replace(options, beam_size=beam, other_beam_size=None), n, fallback),
+                        replace(options, beam_size=beam, other_beam_size=None), n, fallback,
+                        anywhere),
                         strict=True):
                     out[k] = r
         return [r for r in out if r is not None]
 
     def _decode_one(self, windows: Sequence[Window], encoder_output: Any, languages: Languages,
-                    options: DecodeOptions, n: int, fallback: bool = True) -> list[WindowResult]:
+                    options: DecodeOptions, n: int, fallback: bool = True, anywhere: bool = False
+                    ) -> list[WindowResult]:
         task = options.task
         prompts = [self._prompts.tokens(w.prompt, lang, task)
                    for w, (lang, _) in zip(windows, languages, strict=True)]
@@ -305,7 +316,7 @@ class WhisperEngine:
         for k, r in zip(full, self._again(encoder_output, full, prompts, limits, languages,
                                           options), strict=True):
             out[k] = r
-        if n == N_SAMPLES and options.temperature == 0 and fallback:
+        if (n == N_SAMPLES or anywhere) and options.temperature == 0 and fallback:
             self._widen(encoder_output, prompts, budgets, languages, options, out)
             self._unloop(encoder_output, prompts, budgets, languages, options, out)
         if options.word_timestamps:
