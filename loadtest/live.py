@@ -238,7 +238,13 @@ async def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     server = None
     base = args.url
     if base is None:
-        server = Server(work / "server", env={"BATCHSCRIBE_MODEL__NAME": args.model}).start()
+        # One key (none) for every stream: the per-key session cap (16 by default) would refuse
+        # the streams past it, and they would read as "not heard".
+        most = max(int(x) for x in args.streams.split(","))
+        env = {"BATCHSCRIBE_MODEL__NAME": args.model,
+               "BATCHSCRIBE_LIVE__MAX_SESSIONS_PER_KEY": str(max(16, most)),
+               "BATCHSCRIBE_LIVE__MAX_SESSIONS": str(max(32, most))}
+        server = Server(work / "server", env=env).start()
         base = server.url
     ws_url = base.replace("http", "ws", 1) + "/v1/realtime?intent=transcription"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
