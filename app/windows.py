@@ -107,6 +107,9 @@ class Prompt:
     language: str | None = None  # None: detected (from this window, or its upload's choice)
     initial_prompt: str | None = None
     hotwords: str | None = None  # faster-whisper's meaning: words to bias the decode towards
+    # Text the window's decode continues: the audio begins with the speech this text is of (a
+    # live turn read after the one before it, app/live/session.py); the result is what follows.
+    prefix: str | None = None
     choice: LanguageChoice | None = field(default=None, compare=False)  # per-upload detection
 
 
@@ -152,6 +155,9 @@ class WindowResult:
     # A staged engine's first pass that asks for Whisper's 30 s fallback (a loop or an unsure
     # decode, see app/engine/whisper.py ``redo``), which the batcher runs as separate work.
     redo: bool = False
+    # A decode that continued a prefix (Prompt.prefix) and reads as a loop or unsure: no
+    # fallback was run on it; its caller decodes the audio again without the context.
+    doubtful: bool = False
 
     @classmethod
     def detection(cls, language: str, probability: float | None) -> WindowResult:

@@ -51,6 +51,7 @@ class ScriptedDecoder:
         self.shed = False
         self.in_flight = 0
         self.demoted = 0  # finals the session said became interims (see decoding.demote)
+        self.doubtful = False  # a decode that continues a prefix comes back doubtful
 
     def demote(self, task: asyncio.Task[Any]) -> None:
         self.demoted += 1
@@ -73,7 +74,10 @@ class ScriptedDecoder:
         rms = np.sqrt(np.mean(audio[:whole].reshape(-1, CHUNK) ** 2, axis=1)) if whole else \
             np.zeros(0)
         n = round(np.count_nonzero(rms > 0.05) * CHUNK / 16_000 * 2)
-        return Decoded("".join(f" w{k}" for k in range(n)), options.language)
+        # A decode that continues a prefix (the turn before, read first) says what follows it.
+        first = len(options.prefix.split()) if options.prefix else 0
+        return Decoded("".join(f" w{k}" for k in range(first, n)), options.language,
+                       doubtful=self.doubtful and first > 0)
 
 
 def speech(seconds: float, rate: int = 24_000, seed: int = 0) -> np.ndarray:

@@ -109,6 +109,65 @@ async def test_two_turns_complete_in_order_and_chain_their_items() -> None:
         assert c["transcript"] == joined(events, c["item_id"])
 
 
+def finals(dec: ScriptedDecoder) -> list[tuple[float, str | None]]:
+    return [(round(seconds, 1), o.prefix) for kind, seconds, o in dec.calls if kind == "final"]
+
+
+async def test_a_turn_after_a_short_pause_is_read_on_from_the_turn_before() -> None:
+    """800 ms of silence ends the first turn (500 ms) and the second's 300 ms of padding reaches
+    back to it (they touch: ``context_gap_ms`` 0): the second turn's final reads both turns'
+    audio and continues the first's text (the fake numbers the words it hears on from the
+    prefix's). Its transcript is its own."""
+    audio = np.concatenate([silence(0.5), speech(1.5), silence(0.8), speech(1.0, seed=1),
+                            silence(1.0)])
+    dec = ScriptedDecoder()
+    events, _, _ = await run_script(appends(audio), decoder=dec)
+    done = [e["transcript"] for e in events if e["type"].endswith(".completed")]
+    assert done == ["w0 w1 w2", "w3 w4"], done
+    (first, none), (both, prefix) = finals(dec)
+    assert none is None and prefix == "w0 w1 w2"
+    # From the first turn's padding (0.3 s) to the second's pause (200 ms into its silence):
+    assert first == pytest.approx(0.3 + 1.5 + 0.2, abs=0.15)
+    assert both == pytest.approx(0.3 + 1.5 + 0.8 + 1.0 + 0.2, abs=0.15)
+    # A longer pause (0.7 s between the turns) with context_gap_ms to cover it: the same.
+    paused = np.concatenate([silence(0.5), speech(1.5), silence(1.5), speech(1.0, seed=1),
+                             silence(1.0)])
+    dec = ScriptedDecoder()
+    events, _, _ = await run_script(appends(paused), LiveLimits(context_gap_ms=1000), dec)
+    done = [e["transcript"] for e in events if e["type"].endswith(".completed")]
+    assert done == ["w0 w1 w2", "w3 w4"] and finals(dec)[1][1] == "w0 w1 w2", done
+
+
+async def test_turns_far_apart_or_with_context_off_are_read_alone() -> None:
+    audio = np.concatenate([silence(0.5), speech(1.5), silence(3.0), speech(1.0, seed=1),
+                            silence(1.0)])
+    near = np.concatenate([silence(0.5), speech(1.5), silence(0.8), speech(1.0, seed=1),
+                           silence(1.0)])
+    paused = np.concatenate([silence(0.5), speech(1.5), silence(1.5), speech(1.0, seed=1),
+                             silence(1.0)])  # 0.7 s between the first's end and the second's
+    for sound, limits in ((audio, None), (paused, None), (near, LiveLimits(context_max_s=0)),
+                          (near, LiveLimits(context_max_s=2.0)),
+                          (paused, LiveLimits(context_gap_ms=500))):
+        dec = ScriptedDecoder()
+        events, _, _ = await run_script(appends(sound), limits, dec)
+        done = [e["transcript"] for e in events if e["type"].endswith(".completed")]
+        assert done == ["w0 w1 w2", "w0 w1"] and all(p is None for _, p in finals(dec)), done
+
+
+async def test_a_doubtful_continued_read_falls_back_to_the_turn_alone() -> None:
+    """The engine runs no fallback on a decode that continues a prefix; one that loops or is
+    unsure comes back ``doubtful``, and the session reads the turn's own audio instead."""
+    audio = np.concatenate([silence(0.5), speech(1.5), silence(0.8), speech(1.0, seed=1),
+                            silence(1.0)])
+    dec = ScriptedDecoder()
+    dec.doubtful = True
+    events, session, _ = await run_script(appends(audio), decoder=dec)
+    done = [e["transcript"] for e in events if e["type"].endswith(".completed")]
+    assert done == ["w0 w1 w2", "w0 w1"], done
+    assert [p for _, p in finals(dec)] == [None, "w0 w1 w2", None]
+    assert session.counts["final"] == 3
+
+
 async def test_manual_mode_commits_what_was_appended() -> None:
     msgs = [manual(), *appends(speech(2.0)), event("input_audio_buffer.commit")]
     events, session, _ = await run_script(msgs)

@@ -281,6 +281,20 @@ class LiveSettings(BaseModel):
         "the early decode's text serves as the turn's next interim (0: start at the end of "
         "the turn). The engine's time then overlaps the silence the VAD waits for: 300 ms off "
         "every turn at OpenAI's 500 ms.")
+    context_gap_ms: int = Field(
+        0, ge=0, le=10_000,
+        description="A turn's final decode reads the turn before it too and continues its text "
+        "(Whisper's decoder prefix) when that turn ended at most this long before this one's "
+        "audio begins; 0: when they touch (with server VAD: a pause shorter than "
+        "silence_duration_ms + prefix_padding_ms, 0.8 s at OpenAI's defaults). Such a pause "
+        "still ends the turn, so a sentence said with pauses arrives in pieces, and a piece read "
+        "alone loses its words' context. At 8 / 16 streams: WER of the utterances cut into "
+        "pieces 60.0 -> 52.0 % / 32.2 -> 28.8 %, the rest the same; at 1000 ms, turns of "
+        "different sentences joined too, and WER came out mixed (loadtest/README.md).")
+    context_max_s: float = Field(
+        15.0, ge=0.0, le=28.0,
+        description="The most audio such a final reads, the turn before included (0: never "
+        "read a turn with the one before): the encoder costs its length.")
     max_pending_finals: int = Field(
         4, ge=1, description="Turns decoding at once per session; appends wait beyond (a client "
         "faster than real time is slowed to the engine's pace, not buffered).")

@@ -67,7 +67,7 @@ class Prompts:
         self._model = model  # faster-whisper's WhisperModel: hf_tokenizer, get_prompt, max_length
         self._tokenizer_cls = Tokenizer
         self._tokenizers: dict[tuple[str, Task], Any] = {}
-        self._prompts: dict[tuple[str, Task, str | None, str | None], list[int]] = {}
+        self._prompts: dict[tuple[str, Task, str | None, str | None, str | None], list[int]] = {}
         self.sot = self.tokenizer("en", "transcribe").sot  # <|startoftranscript|>: any language
 
     def tokenizer(self, language: str, task: Task) -> Any:
@@ -80,14 +80,14 @@ class Prompts:
         return tok
 
     def tokens(self, prompt: Prompt, language: str, task: Task) -> list[int]:
-        key = (language, task, prompt.initial_prompt, prompt.hotwords)
+        key = (language, task, prompt.initial_prompt, prompt.hotwords, prompt.prefix)
         out = self._prompts.get(key)
         if out is None:
             tok = self.tokenizer(language, task)
             previous = (tok.encode(" " + prompt.initial_prompt.strip())
                         if prompt.initial_prompt else [])
             out = self._model.get_prompt(tok, previous, without_timestamps=True,
-                                         hotwords=prompt.hotwords)
+                                         prefix=prompt.prefix, hotwords=prompt.hotwords)
             if len(self._prompts) >= PROMPT_CACHE:
                 self._prompts.clear()
             self._prompts[key] = out
@@ -102,11 +102,20 @@ def search_args(options: DecodeOptions) -> dict[str, Any]:
     return {"beam_size": options.beam_size, "patience": 1}
 
 
+def prefix_tokens(prompt: list[int], tok: Any) -> int:
+    """How many of ``prompt``'s tokens are a prefix the decode continues (after
+    <|notimestamps|>, where faster-whisper's ``get_prompt`` puts it)."""
+    return len(prompt) - prompt.index(tok.no_timestamps) - 1 if tok.no_timestamps in prompt else 0
+
+
 def to_result(res: Any, language: str, probability: float | None, tok: Any,
-              options: DecodeOptions, cut: int) -> WindowResult:
-    """One generate() result as a window's result, its tokens cut at the window's budget."""
+              options: DecodeOptions, cut: int, prefix: int = 0) -> WindowResult:
+    """One generate() result as a window's result, its tokens cut at the window's budget.
+    ``prefix``: the prompt's prefix tokens, which CTranslate2 returns ahead of the decode's own
+    (measured: the same 25 ids with a 5-token prefix as without): the result is what follows."""
     ids = res.sequences_ids[0]
     cum = res.scores[0] * len(ids)  # undo length_penalty=1, as whisperx does
+    ids = ids[prefix:]
     avg_logprob = float(cum / (len(ids) + 1))
     ids = ids[:cut]
     text = tok.tokenizer.decode([t for t in ids if t < tok.eot])

@@ -64,17 +64,19 @@ class LiveOptions:
     language: str | None = None  # None: detected by the turn's own window
     prompt: str | None = None
     hotwords: str | None = None  # ``keywords``, space-joined
+    prefix: str | None = None  # a final read after the turn before it: that turn's text
 
     def window(self, audio: np.ndarray, pad_margin_s: float | None = None) -> Window:
         return Window(audio, 0.0, audio.size / SAMPLE_RATE,
                       Prompt(language=self.language, initial_prompt=self.prompt,
-                             hotwords=self.hotwords), pad_margin_s)
+                             hotwords=self.hotwords, prefix=self.prefix), pad_margin_s)
 
 
 @dataclass(frozen=True)
 class Decoded:
     text: str
     language: str | None = None
+    doubtful: bool = False  # read with a prefix, and looped or unsure: read it again without
 
 
 class Decode(Protocol):
@@ -91,7 +93,7 @@ def demote(decode: Decode, task: asyncio.Task[Any]) -> None:
 
 
 def _decoded(r: WindowResult) -> Decoded:
-    return Decoded(r.text, r.language)
+    return Decoded(r.text, r.language, r.doubtful)
 
 
 def engine_decoder(run: RunWindows, options: DecodeOptions | None = None) -> Decode:

@@ -24,8 +24,9 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor
+from dataclasses import replace
 from typing import Any, Protocol, TypeVar
 
 import numpy as np
@@ -59,7 +60,7 @@ from app.live.protocol import (
     TranscriptionSession,
     parse_client_event,
 )
-from app.live.turns import Edge, LiveItem, ProbabilityStream, SileroTurns, Turn
+from app.live.turns import Edge, LiveItem, Previous, ProbabilityStream, SileroTurns, Turn
 from app.windows import N_SAMPLES, SAMPLE_RATE, Refresh, Shed
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class LiveSession:
         self._finals: set[asyncio.Task[None]] = set()
         self._last_final: asyncio.Task[None] | None = None
         self._last_item: str | None = None
+        self._previous: Previous | None = None  # the turn closed last (see _final_decode)
 
     # ---- the transport's side -----------------------------------------------------------------
     async def run(self, receive: Receive) -> str:
@@ -210,6 +212,7 @@ class LiveSession:
         if self._turns is not None:
             self._turns.detector.end_turn(self._buf.end)
         self._buf.clear()
+        self._previous = None  # the audio before a clear is not the next turn's context
         self._emit(Cleared())
 
     # ---- turns --------------------------------------------------------------------------------
@@ -223,8 +226,7 @@ class LiveSession:
         elif t is None:
             return
         elif e.kind == "pause" and t.vad and t.early is None:  # the final, early (turns.py)
-            audio = self._buf.slice(t.start, e.at)
-            t.early = asyncio.create_task(self._decoded(audio, self._options(), "final"))
+            t.early = asyncio.create_task(self._final_decode(t.start, e.at))
         elif e.kind == "resume" and t.early is not None:
             # Not over: the early decode read the turn so far, which is an interim's input, so
             # its text is the turn's next interim rather than work thrown away (at 16 streams
@@ -253,22 +255,32 @@ class LiveSession:
         if early is not None and not at_pause:  # a commit or a cut: the audio ran on
             early.cancel()
             early = None
-        task = asyncio.create_task(self._final(t, item, self._buf.slice(t.start, end),
-                                               self._last_final, early))
+        audio = self._buf.slice(t.start, end)
+        fresh = self._final_decode(t.start, end) \
+            if early is None and audio.size <= N_SAMPLES else None
+        self._previous = Previous(t.start, end)
+        task = asyncio.create_task(self._final(t, item, audio, self._last_final, early, fresh,
+                                               self._previous))
         self._finals.add(task)
         task.add_done_callback(self._finals.discard)
         self._last_final = task
 
     async def _final(self, t: Turn, item: LiveItem, audio: np.ndarray,
-                     before: asyncio.Task[None] | None, early: asyncio.Task[str] | None) -> None:
+                     before: asyncio.Task[None] | None, early: asyncio.Task[str] | None,
+                     fresh: Coroutine[Any, Any, str] | None, mine: Previous) -> None:
+        """``early``: the decode started at the pause (the audio since is silence), or else
+        ``fresh``: the decode of a turn of one window (:meth:`_final_decode`); without either,
+        or if the early one failed, the turn is read in windows."""
         opts = self._options()
         error: Exception | None = None
         text: str | None = None
-        if early is not None:  # started at the pause: the audio since is silence
+        if early is not None:
             with contextlib.suppress(Exception):
                 text = await early
         try:
-            if text is None:
+            if text is None and fresh is not None:
+                text = await fresh
+            elif text is None:
                 got = await asyncio.gather(*(self._decoded(audio[a:b], opts, "final")
                                              for a, b in pieces(0, audio.size)))
                 text = " ".join(s for s in (g.strip() for g in got) if s) if len(got) > 1 \
@@ -288,6 +300,7 @@ class LiveSession:
                                               code=getattr(error, "cause", None) or "server_error"))
             return
         delta, item.transcript = t.agreement.final(text or "")
+        mine.text = item.transcript or None
         if delta:
             self._emit(TranscriptionDelta(item_id=t.item_id, delta=delta))
         self._emit(TranscriptionCompleted.of(t.item_id, item.transcript, audio.size / SAMPLE_RATE))
@@ -329,6 +342,32 @@ class LiveSession:
         if delta:
             self._emit(TranscriptionDelta(item_id=t.item_id, delta=delta))
 
+    def _final_decode(self, start: int, end: int) -> Coroutine[Any, Any, str]:
+        """The final decode of the audio from ``start`` to ``end``: read after the turn before it,
+        continuing that turn's transcript (Whisper's decoder prefix), where that turn ended at
+        most ``context_gap_ms`` before and both fit ``context_max_s``; else alone. A pause of
+        500 ms ends a turn, so a sentence said with pauses arrives in pieces; read alone, a
+        piece loses its words' context ("I hardly know her" cut before "her", which then read
+        "Thanks for watching."). Both slices are taken now: the buffer is trimmed after this."""
+        opts = self._options()
+        audio = self._buf.slice(start, end)
+        p, rate = self._previous, SAMPLE_RATE
+        if (p is not None and p.text and p.start >= self._buf.base and p.end <= start
+                and start - p.end <= self.limits.context_gap_ms * rate // 1000
+                and end - p.start <= self.limits.context_max_s * rate):
+            return self._continued(self._buf.slice(p.start, end), audio,
+                                   replace(opts, prefix=p.text))
+        return self._decoded(audio, opts, "final")
+
+    async def _continued(self, both: np.ndarray, audio: np.ndarray, opts: LiveOptions) -> str:
+        """``both`` (the turn before and this one) read on from the text of the one before; if
+        that loops or is unsure (the engine runs no fallback on it), this turn's audio alone."""
+        self.counts["final"] += 1
+        got = await self._decode(both, opts, "final")
+        if not got.doubtful:
+            return got.text
+        return await self._decoded(audio, replace(opts, prefix=None), "final")
+
     async def _decoded(self, audio: np.ndarray, opts: LiveOptions, kind: Kind,
                        refresh: Refresh = (0, 0.0)) -> str:
         self.counts[kind] += 1
@@ -355,7 +394,10 @@ class LiveSession:
             keep = self._buf.end - self._turns.detector.pad - 2 * 512
         else:
             keep = self._buf.end
-        self._buf.trim(keep)
+        p = self._previous  # the turn before, while a next turn may still read it
+        if p is not None and self._buf.end - p.start > self.limits.context_max_s * SAMPLE_RATE:
+            self._previous = p = None
+        self._buf.trim(keep if p is None else min(keep, p.start))
 
     def _options(self) -> LiveOptions:
         tr = self.config.transcription

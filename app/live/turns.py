@@ -158,6 +158,16 @@ class Turn:
 
 
 @dataclass
+class Previous:
+    """The turn closed last, which the next turn's final may read first and continue
+    (``LiveSettings.context_gap_ms``): where its audio lies, and its transcript once back."""
+
+    start: int
+    end: int
+    text: str | None = None
+
+
+@dataclass
 class LiveItem:
     """A committed turn, what ``completed`` (or ``failed``) said of it."""
 
