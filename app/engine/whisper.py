@@ -246,9 +246,9 @@ class WhisperEngine:
         129 finals were redone, 12.0 worker-seconds in all; those that went on to 30 s took
         0.9-1.6 s each, and redone finals were 4 of the 5 slowest (turn p95 1.67 s). With the
         fallbacks at the engine's margin: 21 redos, 5.1 worker-seconds, none over 0.7 s, p95
-        1.17 s; their texts matched the 30 s ones but on half-second turns of near-silence,
-        where the 30 s decode hallucinated too ("here." read "Thank you." at 30 s, "Thanks for
-        watching." at 10 s); live heard-WER: loadtest/README.md."""
+        1.17 s; 17 of the 20 texts matched the 30 s ones, the other three were short turns of
+        near-silence or hesitation where the 30 s read was no safer ("here." read "Thank you."
+        at 30 s, "Thanks for watching." at 10 s); live WER: loadtest/README.md."""
         own = padded_length(len(window.audio), self._margin)
         if window.pad_margin_s is not None and samples < own < N_SAMPLES:
             return own
