@@ -23,6 +23,8 @@ class EnergyProbs:
 
     def __init__(self) -> None:
         self._pending = np.zeros(0, dtype=np.float32)
+        self._last = np.zeros(0, dtype=np.float32)
+        self.restarts = 0
 
     def feed(self, samples: np.ndarray) -> np.ndarray:
         data = np.concatenate([self._pending, samples])
@@ -30,7 +32,14 @@ class EnergyProbs:
         self._pending = data[whole:]
         rms = np.sqrt(np.mean(data[:whole].reshape(-1, CHUNK) ** 2, axis=1)) if whole else \
             np.zeros(0)
-        return np.where(rms > 0.05, 0.9, 0.0).astype(np.float32)
+        self._last = np.where(rms > 0.05, 0.9, 0.0).astype(np.float32)
+        return self._last
+
+    def restart(self, last: int = 0) -> np.ndarray:
+        """Stateless: the same probabilities again."""
+        self.restarts += 1
+        return self._last[max(0, self._last.size - last):] if last > 0 \
+            else np.zeros(0, np.float32)
 
 
 class EnergyVad:

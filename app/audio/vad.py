@@ -164,6 +164,7 @@ class _Probabilities:
         self._c = np.zeros((1, 1, 128), dtype=np.float32)
         self._context = np.zeros(CONTEXT, dtype=np.float32)
         self._pending = np.zeros(0, dtype=np.float32)
+        self._rows = np.zeros((0, CONTEXT + CHUNK), dtype=np.float32)  # the last call's input
 
     def feed(self, samples: np.ndarray) -> np.ndarray:
         data = np.concatenate([self._pending, samples.astype(np.float32, copy=False)])
@@ -183,12 +184,23 @@ class _Probabilities:
             return np.zeros(0, dtype=np.float32)
         context = np.concatenate([self._context[None], chunks[:-1, -CONTEXT:]])
         self._context = chunks[-1, -CONTEXT:].copy()
+        self._rows = np.concatenate([context, chunks], axis=1)
+        return self._model(self._rows)
+
+    def _model(self, rows: np.ndarray) -> np.ndarray:
         out = []
-        for i in range(0, len(chunks), BLOCK):
-            rows = np.concatenate([context[i:i + BLOCK], chunks[i:i + BLOCK]], axis=1)
-            probs, self._h, self._c = self._vad.run(rows, self._h, self._c)
+        for i in range(0, len(rows), BLOCK):
+            probs, self._h, self._c = self._vad.run(rows[i:i + BLOCK], self._h, self._c)
             out.append(probs)
-        return np.concatenate(out)
+        return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
+
+    def restart(self, last: int = 0) -> np.ndarray:
+        """The LSTM state back to zeros (Silero's ``reset_states``) ``last`` chunks before the
+        end of the previous :meth:`feed`: those chunks' probabilities, read again from there."""
+        self._h = np.zeros_like(self._h)
+        self._c = np.zeros_like(self._c)
+        return self._model(self._rows[max(0, self._rows.shape[0] - last):]) if last > 0 \
+            else np.zeros(0, dtype=np.float32)
 
 
 class SileroStream:

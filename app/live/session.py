@@ -199,7 +199,7 @@ class LiveSession:
                 code="input_audio_buffer_commit_empty", event_id=ev.event_id))
             return
         if self._turns is not None:
-            self._turns.detector.end_turn(self._buf.end)
+            self._turns.end_turn(self._buf.end)
         self._close(self._buf.end, stopped=False)
 
     def _clear(self) -> None:
@@ -210,7 +210,7 @@ class LiveSession:
                     task.cancel()
             self._turn = None
         if self._turns is not None:
-            self._turns.detector.end_turn(self._buf.end)
+            self._turns.end_turn(self._buf.end)
         self._buf.clear()
         self._previous = None  # the audio before a clear is not the next turn's context
         self._emit(Cleared())
