@@ -35,9 +35,11 @@ from typing import Any
 import numpy as np
 
 from loadtest.live_common import (
+    Done,
     Outcome,
     Stream,
     build_stream,
+    finalise,
     live_clips,
     loadavg,
     paced,
@@ -74,10 +76,10 @@ class Items:
         self.span: dict[str, list[float | None]] = {}  # item -> [start_s, end_s]
         self.deltas: dict[str, str] = {}
         self.done: dict[str, str] = {}  # item -> transcript, in completion order
+        self.spans: list[Done] = []  # each completed item's span and arrival, in that order
         self.broken = 0  # items whose deltas did not join to their transcript
 
-    def on(self, e: dict[str, Any], out: Outcome, stream: Stream, now: float,
-           tolerance: float) -> None:
+    def on(self, e: dict[str, Any], out: Outcome, stream: Stream, now: float) -> None:
         kind, item = e["type"], e.get("item_id", "")
         if kind == "input_audio_buffer.speech_started":
             self.span[item] = [e["audio_start_ms"] / 1000, None]
@@ -93,23 +95,11 @@ class Items:
         elif kind.endswith("input_audio_transcription.completed"):
             self.done[item] = e["transcript"]
             self.broken += self.deltas.get(item, "") != e["transcript"]
-            self._finalise(out, stream, now, tolerance)
+            start, end = self.span.get(item, [None, None])
+            if start is not None:
+                self.spans.append((start, end, now))
         elif kind.endswith("input_audio_transcription.failed") or kind == "error":
             out.errors.append(json.dumps(e.get("error"))[:200])
-
-    def _finalise(self, out: Outcome, stream: Stream, now: float, tolerance: float) -> None:
-        spans = [self.span[i] for i in self.done if i in self.span]
-        for start, end in spans:
-            out.heard.update(k for k, u in enumerate(stream.utterances)
-                             if start is not None and start < u.end_s
-                             and (end is None or end > u.start_s))
-        ends = [s[1] for s in spans if s[1] is not None]
-        starts = [s[0] for s in spans if s[0] is not None]
-        for k, u in enumerate(stream.utterances):
-            if k in out.final_at:
-                continue
-            if (ends and max(ends) >= u.end_s - tolerance) or (starts and max(starts) >= u.end_s):
-                out.final_at[k] = now
 
 
 async def one_session(url: str, stream: Stream, headers: dict[str, str], drain_s: float,
@@ -130,7 +120,7 @@ async def one_session(url: str, stream: Stream, headers: dict[str, str], drain_s
 
         async def read() -> None:
             async for raw in ws:
-                items.on(json.loads(raw), out, stream, time.monotonic(), tolerance)
+                items.on(json.loads(raw), out, stream, time.monotonic())
 
         reader = asyncio.create_task(read())
         out.t0 = time.monotonic()
@@ -146,6 +136,7 @@ async def one_session(url: str, stream: Stream, headers: dict[str, str], drain_s
             out.errors.append(f"closed: {exc}")
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
+    finalise(out, stream, items.spans, tolerance)
     out.text = " ".join(t.strip() for t in items.done.values() if t.strip())
     out.turns = turns_over(stream.utterances, [
         (sp[0], sp[1], text) for i, text in items.done.items()

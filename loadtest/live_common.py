@@ -26,7 +26,12 @@ words are missing from the WER, and ``turn_latency_with_not_heard`` keeps the ol
 
 **Turn latency**: from the send time of the chunk holding an utterance's last speech sample
 (the moment the speaker's last word reached the service) to the first message that finalises
-it.
+it: a completed span reaching that sample (within ``tolerance``), or starting after it. Where
+the completed spans over an utterance end short of its last speech by more than that (the
+service's VAD ended the turn and never took the rest for speech: the whispered MFA clips, whose
+room tone lies within ``SPEECH_DB`` of their loudest frame), it is timed from the last speech
+sample they cover: the rest was never heard, and counts as missed words in the WER, not as
+seconds until a later turn passed it (as for the utterances not heard at all).
 **Interim**: an utterance of >= 4 s got interim text if some non-final text covering it
 arrived before that same moment. WER: app.scoring (the project's one scorer) over the streams,
 each stream's finalised text against its utterances' references; ``wer_heard_percent`` against
@@ -59,15 +64,30 @@ SKIP_SETS = ("commonvoice_single_word",)
 SPEECH_DB = -35.0  # a 10 ms frame this close to the clip's loudest frame is speech
 
 
-def speech_bounds(audio: np.ndarray) -> tuple[float, float]:
-    """Seconds from the clip's start to its first and last speech frame (see the module doc)."""
+def speech_runs(audio: np.ndarray) -> list[tuple[float, float]]:
+    """Seconds from the clip's start: each run of speech frames (see the module doc)."""
     frame = RATE // 100
     n = audio.size // frame
     if n == 0:
-        return 0.0, audio.size / RATE
+        return [(0.0, audio.size / RATE)]
     rms = np.sqrt((audio[:n * frame].reshape(n, frame).astype(np.float64) ** 2).mean(1) + 1e-12)
     speech = np.flatnonzero(20 * np.log10(rms / rms.max()) > SPEECH_DB)
-    return float(speech[0] * frame / RATE), float((speech[-1] + 1) * frame / RATE)
+    breaks = np.flatnonzero(np.diff(speech) > 1)
+    firsts = np.concatenate([speech[:1], speech[breaks + 1]])
+    lasts = np.concatenate([speech[breaks], speech[-1:]])
+    return [(float(a * frame / RATE), float((b + 1) * frame / RATE)) for a, b in zip(firsts, lasts,
+                                                                                  strict=True)]
+
+
+def speech_bounds(audio: np.ndarray) -> tuple[float, float]:
+    """Seconds from the clip's start to its first and last speech frame (see the module doc)."""
+    runs = speech_runs(audio)
+    return runs[0][0], runs[-1][1]
+
+
+def sent_at(t: float) -> float:
+    """Stream time at which the chunk holding stream time ``t`` is sent."""
+    return float(np.ceil(t / CHUNK_S - 1e-9) * CHUNK_S)
 
 
 @dataclass(frozen=True)
@@ -76,11 +96,19 @@ class Utterance:
     reference: str
     start_s: float  # stream time of its first speech frame
     end_s: float  # stream time of its last speech frame (not the clip's end: see the module doc)
+    runs: tuple[tuple[float, float], ...] = ()  # its speech frames' runs, in stream time
 
     @property
     def spoken_at(self) -> float:
         """Stream time at which the chunk holding its last sample is sent."""
-        return float(np.ceil(self.end_s / CHUNK_S - 1e-9) * CHUNK_S)
+        return sent_at(self.end_s)
+
+    def heard_until(self, spans: Sequence[tuple[float, float | None]]) -> float:
+        """The end of its last speech that ``spans`` (start_s, end_s or None: open) cover."""
+        runs = self.runs or ((self.start_s, self.end_s),)
+        ends = [min(b, e if e is not None else b) for a, b in runs for s, e in spans
+                if a < (e if e is not None else b) and b > s]
+        return max(ends, default=self.end_s)
 
 
 @dataclass
@@ -94,6 +122,7 @@ class Outcome:
     """What one stream's client saw."""
 
     final_at: dict[int, float] = field(default_factory=dict)  # utterance -> wall time finalised
+    heard_to: dict[int, float] = field(default_factory=dict)  # utterance -> stream time timed from
     interim_before_end: set[int] = field(default_factory=set)
     heard: set[int] = field(default_factory=set)  # utterances some completed text overlaps
     text: str = ""  # everything finalised, in order
@@ -130,8 +159,9 @@ def build_stream(clips: Sequence[Clip], seconds: float, seed: int, tail_s: float
             a = decode(Path(c.path), 60.0)
             if cache is not None:
                 cache[c.id] = a
-        first, last = speech_bounds(a)
-        utts.append(Utterance(c.id, c.reference, pos / RATE + first, pos / RATE + last))
+        at = pos / RATE
+        runs = tuple((at + x, at + y) for x, y in speech_runs(a))
+        utts.append(Utterance(c.id, c.reference, runs[0][0], runs[-1][1], runs))
         pause = np.zeros(int(rng.uniform(1.0, 2.0) * RATE), np.float32)
         parts += [a, pause]
         pos += a.size + pause.size
@@ -152,13 +182,33 @@ def chunks_of(samples: int) -> int:
     return -(-samples // CHUNK)
 
 
+Done = tuple[float, float | None, float]  # a completed turn (segment): start_s, end_s, wall time
+
+
+def finalise(out: Outcome, stream: Stream, done: Sequence[Done], tolerance: float) -> None:
+    """Which utterances were heard, when each was final and from when it is timed, given every
+    completed span in arrival order (see the module doc)."""
+    for k, u in enumerate(stream.utterances):
+        over = [(a, b) for a, b, _ in done if a < u.end_s and (b is None or b > u.start_s)]
+        if not over:
+            continue
+        out.heard.add(k)
+        target = u.end_s
+        if not any(b is None or b >= u.end_s - tolerance for _, b in over):
+            target = u.heard_until(over)  # the turns heard its speech up to here, no further
+        at = next((w for a, b, w in done if b is None or a >= target
+                   or b >= max(target - tolerance, u.start_s)), None)
+        if at is not None:
+            out.final_at[k], out.heard_to[k] = at, target
+
+
 def score(streams: Sequence[Stream], outcomes: Sequence[Outcome]) -> dict[str, Any]:
     """Turn latency, utterances never finalised, interim text on long turns, WER."""
     latencies, every, never, not_heard, long_turns, long_interim = [], [], 0, 0, 0, 0
     for s, o in zip(streams, outcomes, strict=True):
         for k, u in enumerate(s.utterances):
             at = o.final_at.get(k)
-            late = None if at is None else at - (o.t0 + u.spoken_at)
+            late = None if at is None else at - (o.t0 + sent_at(o.heard_to.get(k, u.end_s)))
             if late is not None:
                 every.append(late)
             if k not in o.heard:  # no turn covered it: nothing to time (see the module doc)

@@ -36,10 +36,12 @@ import numpy as np
 from loadtest.common import free_port, proc_status_kb, resolve_model
 from loadtest.live_common import (
     CHUNK,
+    Done,
     Outcome,
     Stream,
     build_stream,
     chunks_of,
+    finalise,
     live_clips,
     loadavg,
     paced,
@@ -98,23 +100,18 @@ class Peer:
 
 
 def _seen(out: Outcome, stream: Stream, completed: dict[str, tuple[float, float, str]],
-          segs: list[dict[str, Any]], now: float, tolerance: float) -> None:
+          spans: list[Done], segs: list[dict[str, Any]], now: float) -> None:
+    """``completed``: each completed segment's latest span and text; ``spans``: each completed
+    segment's span when it first arrived, and when."""
     for seg in segs:
         st, en = float(seg["start"]), float(seg["end"])
         if seg.get("completed"):
+            if seg["start"] not in completed:
+                spans.append((st, en, now))
             completed[seg["start"]] = (st, en, seg.get("text", ""))
-            out.heard.update(k for k, u in enumerate(stream.utterances)
-                             if st < u.end_s and en > u.start_s)
         for k, u in enumerate(stream.utterances):  # text over an utterance still being spoken
             if st < u.end_s and en > u.start_s and now < out.t0 + u.spoken_at:
                 out.interim_before_end.add(k)
-    if not completed:
-        return
-    reach = max(en for _, en, _ in completed.values())
-    last_start = max(st for st, _, _ in completed.values())
-    for k, u in enumerate(stream.utterances):
-        if k not in out.final_at and (reach >= u.end_s - tolerance or last_start >= u.end_s):
-            out.final_at[k] = now
 
 
 async def one_stream(url: str, stream: Stream, model: str, drain_s: float, tolerance: float,
@@ -124,6 +121,7 @@ async def one_stream(url: str, stream: Stream, model: str, drain_s: float, toler
     await asyncio.sleep(delay_s)  # connects spread out: its batch mode admits 5 clients/s
     out = Outcome()
     completed: dict[str, tuple[float, float, str]] = {}
+    spans: list[Done] = []
     async with websockets.connect(url, max_size=None, ping_interval=None) as ws:
         await ws.send(json.dumps({
             "uid": str(uuid.uuid4()), "language": "en", "task": "transcribe", "model": model,
@@ -141,7 +139,7 @@ async def one_stream(url: str, stream: Stream, model: str, drain_s: float, toler
             async for raw in ws:
                 msg = json.loads(raw)
                 if msg.get("segments"):
-                    _seen(out, stream, completed, msg["segments"], time.monotonic(), tolerance)
+                    _seen(out, stream, completed, spans, msg["segments"], time.monotonic())
 
         reader = asyncio.create_task(read())
         out.t0 = time.monotonic()
@@ -156,6 +154,7 @@ async def one_stream(url: str, stream: Stream, model: str, drain_s: float, toler
             out.errors.append(f"closed: {exc}")
         reader.cancel()
         await asyncio.gather(reader, return_exceptions=True)
+    finalise(out, stream, spans, tolerance)
     out.text = " ".join(t.strip() for _, _, t in sorted(completed.values()) if t.strip())
     return out
 

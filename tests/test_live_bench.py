@@ -16,7 +16,15 @@ from app.live.audio import encode_pcm16
 from app.live.session import LiveSession, serve
 from loadtest.common import free_port
 from loadtest.live import run_sessions
-from loadtest.live_common import Outcome, Stream, Utterance, score, turns_over, wer_by_turns
+from loadtest.live_common import (
+    Outcome,
+    Stream,
+    Utterance,
+    finalise,
+    score,
+    turns_over,
+    wer_by_turns,
+)
 from tests.live_fakes import EnergyVad, ScriptedDecoder, silence, speech
 
 websockets = pytest.importorskip("websockets")
@@ -166,3 +174,32 @@ def test_wer_by_turns_compares_live_and_batch_on_the_same_cuts() -> None:
     assert r["split"]["utterances"] == 1 and r["split"]["batch_wer_percent"] == 0.0
     assert round(r["split"]["live_wer_percent"]) == 67  # "cat dig bard": two of three wrong
     assert r["merged"]["utterances"] == 2 and r["merged"]["words"] == 2
+
+
+def test_an_utterance_heard_in_part_is_timed_to_the_part_heard() -> None:
+    """Utterance 0 (speech 1-2 s and 3-6 s) is covered by a turn up to 3.5 s only; the next
+    turn (utterance 1) completes 5 s later. It is final when its own turn completed, timed from
+    3.5 s; utterance 1, reached by its turn, is timed from its end as before; a turn ending
+    within ``tolerance`` of an utterance's end reaches it."""
+    u0 = Utterance("a", "x", 1.0, 6.0, ((1.0, 2.0), (3.0, 6.0)))
+    u1 = Utterance("b", "y", 8.0, 9.0, ((8.0, 9.0),))
+    s = Stream(np.zeros(16_000 * 10, np.float32), [u0, u1])
+    out = Outcome(t0=100.0)
+    finalise(out, s, [(0.7, 3.5, 104.2), (7.7, 9.6, 110.0)], tolerance=0.5)
+    assert out.heard == {0, 1}
+    assert out.final_at == {0: 104.2, 1: 110.0}
+    assert out.heard_to == {0: 3.5, 1: 9.0}
+    r = score([s], [out])
+    assert r["turn_latency"]["n"] == 2 and r["turn_latency"]["max_s"] == 1.0  # 110 - 109
+    near = Outcome()
+    finalise(near, s, [(0.7, 5.7, 1.0)], tolerance=0.5)
+    assert near.final_at == {0: 1.0} and near.heard_to == {0: 6.0}
+
+
+def test_a_turn_before_an_utterance_never_finalises_it() -> None:
+    """A turn that ended just before a short utterance's heard part does not finalise it."""
+    u = Utterance("a", "x", 2.0, 4.0, ((2.0, 2.4), (3.5, 4.0)))
+    s = Stream(np.zeros(16_000 * 5, np.float32), [u])
+    out = Outcome()
+    finalise(out, s, [(0.0, 1.9, 1.0), (1.7, 2.6, 2.0)], tolerance=0.5)
+    assert out.final_at == {0: 2.0} and out.heard_to == {0: 2.4}
