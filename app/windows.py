@@ -108,7 +108,7 @@ class Prompt:
     initial_prompt: str | None = None
     hotwords: str | None = None  # faster-whisper's meaning: words to bias the decode towards
     # Text the window's decode continues: the audio begins with the speech this text is of (a
-    # live turn read after the one before it, app/live/session.py); the result is what follows.
+    # live turn read after the one before it, app/live/reading.py); the result is what follows.
     prefix: str | None = None
     choice: LanguageChoice | None = field(default=None, compare=False)  # per-upload detection
 

@@ -42,8 +42,8 @@ from app.jobs.webhooks import check_callback_url
 from app.live.decoding import Decode, batcher_decoder
 from app.live.events import ErrorEvent
 from app.live.protocol import ProtocolError
-from app.live.session import LiveSession, VadModel, serve
-from app.live.turns import LiveItem
+from app.live.session import LiveSession, serve
+from app.live.turns import LiveItem, VadModel
 from app.metrics import Metrics
 from app.net.outbound import OutboundGuard
 from app.windows import JobOptions

@@ -12,6 +12,7 @@ from typing import Any
 
 from app.config import LiveSettings
 from app.live.audio import Format
+from app.live.decoding import LiveOptions
 from app.live.protocol import (
     AudioInput,
     NoiseReduction,
@@ -52,6 +53,16 @@ class SessionConfig:
         if "noise_reduction" in given:
             self.noise_reduction = inp.noise_reduction
         return fmt_changed, td_changed
+
+    def options(self) -> LiveOptions:
+        """What every decode of the session is asked with."""
+        tr = self.transcription
+        if tr is None:
+            return LiveOptions()
+        language = tr.language or (tr.languages[0] if tr.languages and len(tr.languages) == 1
+                                   else None)
+        return LiveOptions(language=language, prompt=tr.prompt,
+                           hotwords=" ".join(tr.keywords) if tr.keywords else None)
 
     def rules(self, limits: LiveLimits) -> VadRules | None:
         td = self.turn_detection

@@ -12,8 +12,8 @@ and every final awaited, so :attr:`LiveSession.items` holds everything said (kep
 Bad input never ends the session: it is answered with an ``error`` event.
 
 Audio work (base64, G.711, resampling, Silero) runs in ``executor``, never on the event loop;
-decodes go through :class:`~app.live.decoding.Decode`. Turns, interim text and the event order:
-app/live/turns.py, agreement.py, events.py.
+decodes go through :class:`~app.live.decoding.Decode`. Turns, how they are read, interim text
+and the event order: app/live/turns.py, reading.py, agreement.py, events.py.
 A client faster than real time is slowed, not buffered: an append waits while
 ``max_pending_finals`` turns are decoding (the socket is then not read).
 """
@@ -23,19 +23,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import time
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor
-from dataclasses import replace
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 import numpy as np
 
-from app.audio.cut import pieces
 from app.errors import ServiceError
 from app.live.audio import AudioDecoder, BadAudio, ChunkBuffer, b64decode
 from app.live.config import LiveLimits, SessionConfig, wall_clock
-from app.live.decoding import Decode, Kind, LiveOptions, demote
+from app.live.decoding import Decode, demote
 from app.live.events import (
     Cleared,
     Committed,
@@ -60,17 +57,14 @@ from app.live.protocol import (
     TranscriptionSession,
     parse_client_event,
 )
-from app.live.turns import Edge, LiveItem, Previous, ProbabilityStream, SileroTurns, Turn
-from app.windows import N_SAMPLES, SAMPLE_RATE, Refresh, Shed
+from app.live.reading import Reader
+from app.live.turns import Edge, LiveItem, Previous, SileroTurns, Turn, VadModel
+from app.windows import N_SAMPLES, SAMPLE_RATE
 
 log = logging.getLogger(__name__)
 MIN_COMMIT = SAMPLE_RATE // 10  # OpenAI refuses to commit less than 100 ms
 T = TypeVar("T")
 Receive = Callable[[], Awaitable[str | bytes | None]]
-
-
-class VadModel(Protocol):
-    def probability_stream(self) -> ProbabilityStream: ...
 
 
 def ms(samples: int) -> int:
@@ -92,6 +86,7 @@ class LiveSession:
         self.items: list[LiveItem] = []
         self.counts = {"interim": 0, "interim_shed": 0, "final": 0, "errors": 0}
         self._decode, self._vad, self._executor = decode, vad, executor
+        self._read = Reader(decode, self.limits, self.counts, self.id)
         self._created = wall_clock()
         self._audio = AudioDecoder(self.config.format)
         self._buf = ChunkBuffer()
@@ -100,14 +95,14 @@ class LiveSession:
         self._finals: set[asyncio.Task[None]] = set()
         self._last_final: asyncio.Task[None] | None = None
         self._last_item: str | None = None
-        self._previous: Previous | None = None  # the turn closed last (see _final_decode)
+        self._previous: Previous | None = None  # the turn closed last (see reading.py)
 
     # ---- the transport's side -----------------------------------------------------------------
     async def run(self, receive: Receive) -> str:
         """Serve until the client leaves or a limit; why it ended (see the module doc)."""
         loop = asyncio.get_running_loop()
         started = loop.time()
-        self._emit(SessionCreated(session=self._session()))
+        self._emit(SessionCreated(session=self.config.as_session(self.id, self.limits, self._created)))
         reason = "disconnected"
         try:
             while True:
@@ -161,7 +156,7 @@ class LiveSession:
             self._audio = AudioDecoder(self.config.format)
         if td_changed:  # an open turn goes on, now ended by the new rules (or by a commit)
             self._turns = self._new_turns()
-        self._emit(SessionUpdated(session=self._session()))
+        self._emit(SessionUpdated(session=self.config.as_session(self.id, self.limits, self._created)))
 
     async def _append(self, ev: Append) -> None:
         while len(self._finals) >= self.limits.max_pending_finals:
@@ -269,9 +264,9 @@ class LiveSession:
                      before: asyncio.Task[None] | None, early: asyncio.Task[str] | None,
                      fresh: Coroutine[Any, Any, str] | None, mine: Previous) -> None:
         """``early``: the decode started at the pause (the audio since is silence), or else
-        ``fresh``: the decode of a turn of one window (:meth:`_final_decode`); without either,
+        ``fresh``: the decode of a turn of one window (:meth:`Reader.final`); without either,
         or if the early one failed, the turn is read in windows."""
-        opts = self._options()
+        opts = self.config.options()
         error: Exception | None = None
         text: str | None = None
         if early is not None:
@@ -281,10 +276,7 @@ class LiveSession:
             if text is None and fresh is not None:
                 text = await fresh
             elif text is None:
-                got = await asyncio.gather(*(self._decoded(audio[a:b], opts, "final")
-                                             for a, b in pieces(0, audio.size)))
-                text = " ".join(s for s in (g.strip() for g in got) if s) if len(got) > 1 \
-                    else (got[0] if got else "")
+                text = await self._read.windows(audio, opts)
         except Exception as exc:
             error = exc
         if before is not None:  # completed events in turn order
@@ -318,60 +310,15 @@ class LiveSession:
         t.interim = asyncio.create_task(self._interim(t, self._buf.slice(t.start, self._buf.end)))
 
     async def _interim(self, t: Turn, audio: np.ndarray | asyncio.Task[str]) -> None:
-        """An interim decode of ``audio``, or the text of an early final decode that speech
-        resumed after (it decoded the turn so far: an interim's input)."""
-        try:
-            text = await (audio if isinstance(audio, asyncio.Task) else self._decoded(
-                audio, self._options(), "interim", (t.answered, t.refreshed)))
-        except Shed:
-            # Behind: this turn asks less (every 1, 2, 4, 8 intervals) until an interim is
-            # answered. On 2 cores, 8 streams' interims each second left finals waiting (p95
-            # 12 s at N = 8). The back-off is the turn's: carried over from a session's last
-            # turn, it put a new turn's first interim 4-8 s in (16 streams, 91694fb).
-            self.counts["interim_shed"] += 1
-            t.backoff = min(t.backoff * 2, 8)
-            return
-        except Exception as exc:  # only the final's text matters; say it in the log
-            log.warning("live session %s: interim decode failed: %s", self.id, exc)
-            return
-        t.backoff = max(1, t.backoff // 2)
-        t.answered, t.refreshed = t.answered + 1, time.monotonic()
-        if t.closed:
+        text = await self._read.interim(t, audio, self.config.options())
+        if text is None or t.closed:
             return
         delta = t.agreement.interim(text)
         if delta:
             self._emit(TranscriptionDelta(item_id=t.item_id, delta=delta))
 
     def _final_decode(self, start: int, end: int) -> Coroutine[Any, Any, str]:
-        """The final decode of the audio from ``start`` to ``end``: read after the turn before it,
-        continuing that turn's transcript (Whisper's decoder prefix), where that turn ended at
-        most ``context_gap_ms`` before and both fit ``context_max_s``; else alone. A pause of
-        500 ms ends a turn, so a sentence said with pauses arrives in pieces; read alone, a
-        piece loses its words' context ("I hardly know her" cut before "her", which then read
-        "Thanks for watching."). Both slices are taken now: the buffer is trimmed after this."""
-        opts = self._options()
-        audio = self._buf.slice(start, end)
-        p, rate = self._previous, SAMPLE_RATE
-        if (p is not None and p.text and p.start >= self._buf.base and p.end <= start
-                and start - p.end <= self.limits.context_gap_ms * rate // 1000
-                and end - p.start <= self.limits.context_max_s * rate):
-            return self._continued(self._buf.slice(p.start, end), audio,
-                                   replace(opts, prefix=p.text))
-        return self._decoded(audio, opts, "final")
-
-    async def _continued(self, both: np.ndarray, audio: np.ndarray, opts: LiveOptions) -> str:
-        """``both`` (the turn before and this one) read on from the text of the one before; if
-        that loops or is unsure (the engine runs no fallback on it), this turn's audio alone."""
-        self.counts["final"] += 1
-        got = await self._decode(both, opts, "final")
-        if not got.doubtful:
-            return got.text
-        return await self._decoded(audio, replace(opts, prefix=None), "final")
-
-    async def _decoded(self, audio: np.ndarray, opts: LiveOptions, kind: Kind,
-                       refresh: Refresh = (0, 0.0)) -> str:
-        self.counts[kind] += 1
-        return (await self._decode(audio, opts, kind, refresh)).text
+        return self._read.final(self._buf, self._previous, start, end, self.config.options())
 
     def _ingest(self, payload: str) -> tuple[np.ndarray, list[Edge]]:
         """Executor side: base64, format, resampling, VAD (this session's state only)."""
@@ -399,20 +346,8 @@ class LiveSession:
             self._previous = p = None
         self._buf.trim(keep if p is None else min(keep, p.start))
 
-    def _options(self) -> LiveOptions:
-        tr = self.config.transcription
-        if tr is None:
-            return LiveOptions()
-        language = tr.language or (tr.languages[0] if tr.languages and len(tr.languages) == 1
-                                   else None)
-        return LiveOptions(language=language, prompt=tr.prompt,
-                           hotwords=" ".join(tr.keywords) if tr.keywords else None)
-
     async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
-
-    def _session(self) -> dict[str, Any]:
-        return self.config.as_session(self.id, self.limits, self._created)
 
     def _emit(self, event: ServerEvent) -> None:
         self.outbox.put_nowait(event.as_dict())

@@ -134,6 +134,10 @@ class TurnDetector:
         return out
 
 
+class VadModel(Protocol):
+    def probability_stream(self) -> ProbabilityStream: ...
+
+
 class SileroTurns:
     """A session's turn detection: its own probability stream (the model's LSTM state carried
     across appends) and :class:`TurnDetector`.
