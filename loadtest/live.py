@@ -15,7 +15,8 @@ chunk was sent. Also counted: the protocol's own promise (each item's deltas joi
 ``transcript``), ``error`` and ``failed`` events. ``--batch-wer`` transcribes the same clips
 through ``/transcribe`` afterwards, clip by clip and each stream's audio as one upload: live
 WER against batch WER of the same speech, overall and (``wer_by_turns``) by how the session's
-VAD cut each utterance: held whole by one turn, split at pauses, merged, or not heard.
+VAD cut each utterance: held whole by one turn, split at pauses, merged, or not heard; and
+(``wer_by_set``) on the corpus's read speech apart from its hard cases, as its README asks.
 
 ``--beside long`` keeps a 20-minute upload in flight throughout (posted again when it ends), as
 loadtest/traffic.py does for short clips. Streams, pacing and scores: loadtest/live_common.py.
@@ -45,6 +46,7 @@ from loadtest.live_common import (
     paced,
     score,
     turns_over,
+    wer_by_set,
     wer_by_turns,
 )
 
@@ -259,6 +261,8 @@ async def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                 texts = await batch_texts(base, streams)
                 r["batch_wer_percent"] = batch_wer(streams, texts)
                 r["wer_by_turns"] = wer_by_turns(streams, outcomes, texts)
+                r["wer_by_set"] = wer_by_set(streams, outcomes, texts,
+                                             {c.id: c.set for c in clips})
                 r["batch_stream_wer_percent"] = await batch_stream_wer(base, streams, work)
             results.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "texts"}), flush=True)

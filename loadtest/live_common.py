@@ -278,6 +278,26 @@ def wer_by_turns(streams: Sequence[Stream], outcomes: Sequence[Outcome],
     return out
 
 
+def wer_by_set(streams: Sequence[Stream], outcomes: Sequence[Outcome], batch: dict[str, str],
+               sets: dict[str, str]) -> dict[str, Any]:
+    """Live against batch WER (as :func:`wer_by_turns`, every utterance: one no turn covered
+    reads as nothing) on the corpus's read speech and on its other sets, as the corpus README
+    asks (the other sets are its hard cases: fillers, whisper, falsetto, creaky voice, children)
+    and as loadtest/scoring.py :func:`~loadtest.scoring.wer_by_group` reports uploads."""
+    from loadtest.common import READ_SPEECH
+
+    rows: dict[str, list[tuple[str, str, str]]] = {"read_speech": [], "other_sets": []}
+    for s, o in zip(streams, outcomes, strict=True):
+        for u, turns in zip(s.utterances, o.turns, strict=True):
+            group = "read_speech" if sets.get(u.clip_id) in READ_SPEECH else "other_sets"
+            rows[group].append((u.reference, " ".join(t.strip() for t, _ in turns),
+                                batch[u.clip_id]))
+    return {group: {"utterances": len(rs), "words": sum(len(r.split()) for r, _, _ in rs),
+                    "live_wer_percent": wer_percent([r for r, _, _ in rs], [t for _, t, _ in rs]),
+                    "batch_wer_percent": wer_percent([r for r, _, _ in rs], [b for _, _, b in rs])}
+            for group, rs in rows.items()}
+
+
 def loadavg() -> list[float]:
     import os
 

@@ -23,6 +23,7 @@ from loadtest.live_common import (
     finalise,
     score,
     turns_over,
+    wer_by_set,
     wer_by_turns,
 )
 from tests.live_fakes import EnergyVad, ScriptedDecoder, silence, speech
@@ -203,3 +204,18 @@ def test_a_turn_before_an_utterance_never_finalises_it() -> None:
     out = Outcome()
     finalise(out, s, [(0.0, 1.9, 1.0), (1.7, 2.6, 2.0)], tolerance=0.5)
     assert out.final_at == {0: 2.0} and out.heard_to == {0: 2.4}
+
+
+def test_wer_by_set_keeps_read_speech_apart_from_the_hard_cases() -> None:
+    """Read-speech utterances (a LibriSpeech and an LJ Speech clip) and an MFA one, each scored
+    live (its turns' texts; none: nothing heard) against its clip's upload."""
+    u = [Utterance(f"c{k}", ref, 3.0 * k, 3.0 * k + 2.0)
+         for k, ref in enumerate(["red green blue", "cat dog", "montreal forced aligner"])]
+    turns = turns_over(u, [(0.0, 2.1, "red green blue"), (2.9, 5.1, "cat dig")])
+    batch = {"c0": "red green blue", "c1": "cat dog", "c2": "montreal forest aligner"}
+    sets = {"c0": "librispeech", "c1": "ljspeech", "c2": "mfa_short_phrases"}
+    r = wer_by_set([Stream(np.zeros(1), u)], [Outcome(turns=turns)], batch, sets)
+    assert r["read_speech"] == {"utterances": 2, "words": 5, "live_wer_percent": 20.0,
+                                "batch_wer_percent": 0.0}
+    assert r["other_sets"] == {"utterances": 1, "words": 3, "live_wer_percent": 100.0,
+                               "batch_wer_percent": 33.333}  # rounded by wer_percent
