@@ -126,7 +126,7 @@ class SileroVad:
 
     def probability_stream(self) -> _Probabilities:
         """Speech probabilities of audio fed in pieces (live turn detection, app/live/turns.py)."""
-        return _Probabilities(self)
+        return _Probabilities(self, keep_last=True)
 
     def probabilities(self, audio: np.ndarray) -> np.ndarray:
         """One speech probability per 512 samples, as faster-whisper's model call returns them."""
@@ -156,15 +156,19 @@ class _Probabilities:
     """Speech probabilities of an upload fed in pieces, equal to faster-whisper's one call: each
     chunk is prepended with the previous one's last 64 samples (zeros for the first); the end is
     padded to a whole chunk (a whole extra chunk when already whole) whose last 64 samples are
-    zeroed, as that call's in-place context trick does."""
+    zeroed, as that call's in-place context trick does.
 
-    def __init__(self, vad: SileroVad) -> None:
+    ``keep_last`` (live turns): the last feed's chunks are kept, so :meth:`restart` can read them
+    again; an upload's 60 s feeds keep nothing (each would hold ~4 MB more at the peak)."""
+
+    def __init__(self, vad: SileroVad, keep_last: bool = False) -> None:
         self._vad = vad
+        self._keep = keep_last
         self._h = np.zeros((1, 1, 128), dtype=np.float32)
         self._c = np.zeros((1, 1, 128), dtype=np.float32)
         self._context = np.zeros(CONTEXT, dtype=np.float32)
         self._pending = np.zeros(0, dtype=np.float32)
-        self._rows = np.zeros((0, CONTEXT + CHUNK), dtype=np.float32)  # the last call's input
+        self._last: tuple[np.ndarray, np.ndarray] | None = None  # (contexts, chunks) kept
 
     def feed(self, samples: np.ndarray) -> np.ndarray:
         data = np.concatenate([self._pending, samples.astype(np.float32, copy=False)])
@@ -184,23 +188,28 @@ class _Probabilities:
             return np.zeros(0, dtype=np.float32)
         context = np.concatenate([self._context[None], chunks[:-1, -CONTEXT:]])
         self._context = chunks[-1, -CONTEXT:].copy()
-        self._rows = np.concatenate([context, chunks], axis=1)
-        return self._model(self._rows)
+        if self._keep:
+            self._last = (context, chunks)
+        return self._model(context, chunks)
 
-    def _model(self, rows: np.ndarray) -> np.ndarray:
+    def _model(self, context: np.ndarray, chunks: np.ndarray) -> np.ndarray:
         out = []
-        for i in range(0, len(rows), BLOCK):
-            probs, self._h, self._c = self._vad.run(rows[i:i + BLOCK], self._h, self._c)
+        for i in range(0, len(chunks), BLOCK):
+            rows = np.concatenate([context[i:i + BLOCK], chunks[i:i + BLOCK]], axis=1)
+            probs, self._h, self._c = self._vad.run(rows, self._h, self._c)
             out.append(probs)
         return np.concatenate(out) if out else np.zeros(0, dtype=np.float32)
 
     def restart(self, last: int = 0) -> np.ndarray:
         """The LSTM state back to zeros (Silero's ``reset_states``) ``last`` chunks before the
-        end of the previous :meth:`feed`: those chunks' probabilities, read again from there."""
+        end of the previous :meth:`feed` (``keep_last``): those chunks' probabilities, read again
+        from there."""
         self._h = np.zeros_like(self._h)
         self._c = np.zeros_like(self._c)
-        return self._model(self._rows[max(0, self._rows.shape[0] - last):]) if last > 0 \
-            else np.zeros(0, dtype=np.float32)
+        if last <= 0 or self._last is None:
+            return np.zeros(0, dtype=np.float32)
+        context, chunks = self._last
+        return self._model(context[-last:], chunks[-last:])
 
 
 class SileroStream:
