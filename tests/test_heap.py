@@ -12,11 +12,11 @@ class FakeLib:
     def __init__(self, free: int) -> None:
         self.free, self.released = free, 0
 
-    def MallocExtension_GetNumericProperty(self, name: bytes, out: object) -> int:  # noqa: N802
+    def MallocExtension_GetNumericProperty(self, name: bytes, out: object) -> int:
         out._obj.value = self.free  # type: ignore[attr-defined]
         return 1
 
-    def MallocExtension_ReleaseFreeMemory(self) -> None:  # noqa: N802
+    def MallocExtension_ReleaseFreeMemory(self) -> None:
         self.released += 1
 
 

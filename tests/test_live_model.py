@@ -12,11 +12,11 @@ import time
 import numpy as np
 import pytest
 
+from app.client.scoring import wer_percent
 from app.live.audio import encode_pcm16
 from app.live.config import LiveLimits
 from app.live.decoding import engine_decoder
 from app.live.session import LiveSession
-from app.client.scoring import wer_percent
 from tests.conftest import corpus_clips
 
 pytestmark = pytest.mark.model

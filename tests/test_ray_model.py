@@ -61,15 +61,15 @@ def ray_local() -> Iterator[Any]:
     test took 22 s alone and 244-359 s in the suite."""
     import ray
 
-    old = os.environ.get("RAY_worker_niceness")
-    os.environ["RAY_worker_niceness"] = "0"  # read by the raylet this init starts
+    old = os.environ.get("RAY_worker_niceness")  # noqa: SIM112 (Ray reads this exact name)
+    os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112  read by the raylet this init starts
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     finally:
         if old is None:
             os.environ.pop("RAY_worker_niceness", None)
         else:
-            os.environ["RAY_worker_niceness"] = old
+            os.environ["RAY_worker_niceness"] = old  # noqa: SIM112
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray
     ray.shutdown()
