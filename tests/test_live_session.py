@@ -109,6 +109,21 @@ async def test_two_turns_complete_in_order_and_chain_their_items() -> None:
         assert c["transcript"] == joined(events, c["item_id"])
 
 
+async def test_the_vads_state_restarts_wherever_a_turn_ends() -> None:
+    """Server VAD on: two turns that stop on their silence, then one the client commits and a
+    buffer it clears; each restarts the session's probability stream once (Silero's state,
+    app/live/turns.py SileroTurns)."""
+    audio = np.concatenate([speech(1.5), silence(1.0), speech(2.0, seed=1), silence(1.0)])
+    msgs = [*appends(audio), *appends(speech(1.0, seed=2)), event("input_audio_buffer.commit"),
+            *appends(speech(0.5, seed=3)), event("input_audio_buffer.clear")]
+    events, session, _ = await run_script(msgs)
+    assert types(events).count("buf.speech_stopped") == 2
+    assert types(events).count("buf.committed") == 3 and "buf.cleared" in types(events)
+    turns = session._turns
+    assert turns is not None
+    assert turns._probs.restarts == 4  # type: ignore[attr-defined]
+
+
 def finals(dec: ScriptedDecoder) -> list[tuple[float, str | None]]:
     return [(round(seconds, 1), o.prefix) for kind, seconds, o in dec.calls if kind == "final"]
 
