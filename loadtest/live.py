@@ -16,7 +16,10 @@ chunk was sent. Also counted: the protocol's own promise (each item's deltas joi
 through ``/transcribe`` afterwards, clip by clip and each stream's audio as one upload: live
 WER against batch WER of the same speech, overall and (``wer_by_turns``) by how the session's
 VAD cut each utterance: held whole by one turn, split at pauses, merged, or not heard; and
-(``wer_by_set``) on the corpus's read speech apart from its hard cases, as its README asks.
+(``wer_by_set``) on the corpus's read speech apart from its hard cases, as its README asks;
+and (``turns_uploaded``) each turn the session finalised uploaded on its own, so that the gap
+between live and the clips' uploads splits into what reading turns live costs and what the
+turns themselves cost (``--silence-ms``: the pause that ends a turn, OpenAI's 500 by default).
 
 ``--beside long`` keeps a 20-minute upload in flight throughout (posted again when it ends), as
 loadtest/traffic.py does for short clips. Streams, pacing and scores: loadtest/live_common.py.
@@ -44,17 +47,26 @@ from loadtest.live_common import (
     live_clips,
     loadavg,
     paced,
+    read_as,
     score,
+    turn_audio,
     turns_over,
     wer_by_set,
     wer_by_turns,
 )
 
-SESSION = {"type": "transcription", "audio": {"input": {
-    "format": {"type": "audio/pcm", "rate": 24000},
-    "transcription": {"model": "whisper-base", "language": "en"},
-    "turn_detection": {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
-                       "silence_duration_ms": 500}}}}
+
+def session_config(silence_ms: int = 500) -> dict[str, Any]:
+    """The ``session.update`` a bench session sends (OpenAI's server VAD defaults but the
+    pause that ends a turn, ``--silence-ms``)."""
+    return {"type": "transcription", "audio": {"input": {
+        "format": {"type": "audio/pcm", "rate": 24000},
+        "transcription": {"model": "whisper-base", "language": "en"},
+        "turn_detection": {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+                           "silence_duration_ms": silence_ms}}}}
+
+
+SESSION = session_config()
 
 
 def to_pcm24(audio16: np.ndarray) -> bytes:
@@ -105,7 +117,8 @@ class Items:
 
 
 async def one_session(url: str, stream: Stream, headers: dict[str, str], drain_s: float,
-                      tolerance: float, delay_s: float = 0.0) -> tuple[Outcome, Items]:
+                      tolerance: float, delay_s: float = 0.0,
+                      config: dict[str, Any] | None = None) -> tuple[Outcome, Items]:
     import base64
 
     import websockets
@@ -118,7 +131,7 @@ async def one_session(url: str, stream: Stream, headers: dict[str, str], drain_s
         if created.get("type") != "session.created":
             out.errors.append(f"first event {created.get('type')}")
             return out, items
-        await ws.send(json.dumps({"type": "session.update", "session": SESSION}))
+        await ws.send(json.dumps({"type": "session.update", "session": config or SESSION}))
 
         async def read() -> None:
             async for raw in ws:
@@ -140,16 +153,17 @@ async def one_session(url: str, stream: Stream, headers: dict[str, str], drain_s
         await asyncio.gather(reader, return_exceptions=True)
     finalise(out, stream, items.spans, tolerance)
     out.text = " ".join(t.strip() for t in items.done.values() if t.strip())
-    out.turns = turns_over(stream.utterances, [
-        (sp[0], sp[1], text) for i, text in items.done.items()
-        if (sp := items.span.get(i)) is not None and sp[0] is not None])
+    out.spans = [(sp[0], sp[1], text) for i, text in items.done.items()
+                 if (sp := items.span.get(i)) is not None and sp[0] is not None]
+    out.turns = turns_over(stream.utterances, out.spans)
     return out, items
 
 
 async def run_sessions(url: str, streams: list[Stream], headers: dict[str, str] | None = None,
-                       drain_s: float = 5.0, tolerance: float = 0.5) -> dict[str, Any]:
-    got = await asyncio.gather(*(one_session(url, s, headers or {}, drain_s, tolerance, 0.2 * k)
-                                 for k, s in enumerate(streams)))
+                       drain_s: float = 5.0, tolerance: float = 0.5,
+                       config: dict[str, Any] | None = None) -> dict[str, Any]:
+    got = await asyncio.gather(*(one_session(url, s, headers or {}, drain_s, tolerance, 0.2 * k,
+                                             config) for k, s in enumerate(streams)))
     outcomes = [o for o, _ in got]
     return {"streams": len(streams), **score(streams, outcomes),
             "deltas_not_joining": sum(i.broken for _, i in got),
@@ -170,6 +184,19 @@ async def batch_texts(base_url: str, streams: list[Stream]) -> dict[str, str]:
                 for c in {c.id: c for c in used}.values()}
     finally:
         await client.close()
+
+
+def turns_uploaded(streams: list[Stream], outcomes: list[Outcome], per_turn: list[list[str]],
+                   texts: dict[str, str]) -> dict[str, Any]:
+    """The live turns' own uploads (:func:`batch_turn_texts`) scored as the live text is:
+    overall and by how the VAD cut each utterance (their ``live_wer_percent`` is the turns'
+    uploads here; ``batch_wer_percent`` is still the clips')."""
+    from loadtest.scoring import wer_percent
+
+    read = [read_as(s, o, t) for s, o, t in zip(streams, outcomes, per_turn, strict=True)]
+    refs = [" ".join(u.reference for u in s.utterances) for s in streams]
+    return {"wer_percent": wer_percent(refs, [o.text for o in read]),
+            "wer_by_turns": wer_by_turns(streams, read, texts)}
 
 
 def batch_wer(streams: list[Stream], texts: dict[str, str]) -> float | None:
@@ -199,6 +226,34 @@ async def batch_stream_wer(base_url: str, streams: list[Stream], work: Path) -> 
     finally:
         await client.close()
     return wer_percent([" ".join(u.reference for u in s.utterances) for s in streams], texts)
+
+
+async def batch_turn_texts(base_url: str, streams: list[Stream], outcomes: list[Outcome],
+                           work: Path) -> list[list[str]]:
+    """Each turn the session finalised, its audio (as the session heard it, from
+    ``speech_started``'s ``audio_start_ms`` to ``speech_stopped``'s ``audio_end_ms``) as an
+    upload of its own through ``/transcribe`` (language en): per stream, the texts in span
+    order. Live against these is what reading the turns live costs; these against the clips'
+    uploads, what the client's turns cost (a pause of ``silence_duration_ms`` ends a turn, and
+    each piece is read without the rest, whoever reads it)."""
+    from loadtest.common import write_wav16
+    from loadtest.service import Client
+
+    client = Client(base_url, [], "en")
+    gate = asyncio.Semaphore(4)
+
+    async def one(k: int, j: int, audio: np.ndarray) -> str:
+        path = work / f"turn-{k}-{j}.wav"
+        await asyncio.to_thread(write_wav16, path, audio)
+        async with gate:
+            return await client.text_of(path.name, path.read_bytes())
+
+    try:
+        return [list(await asyncio.gather(*(one(k, j, a) for j, a in
+                                            enumerate(turn_audio(s, o.spans)))))
+                for k, (s, o) in enumerate(zip(streams, outcomes, strict=True))]
+    finally:
+        await client.close()
 
 
 async def keep_long(base_url: str, stop: asyncio.Event, minutes: float, work: Path) -> int:
@@ -252,7 +307,8 @@ async def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
             beside = (asyncio.create_task(keep_long(base, stop, args.long_minutes, work))
                       if args.beside == "long" else None)
             load = loadavg()
-            r = await run_sessions(ws_url, streams, headers, args.drain, args.tolerance)
+            r = await run_sessions(ws_url, streams, headers, args.drain, args.tolerance,
+                                   session_config(args.silence_ms))
             outcomes = r.pop("outcomes")
             stop.set()
             r.update({"load_before": load, "load_after": loadavg(), "beside": args.beside,
@@ -264,6 +320,8 @@ async def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
                 r["wer_by_set"] = wer_by_set(streams, outcomes, texts,
                                              {c.id: c.set for c in clips})
                 r["batch_stream_wer_percent"] = await batch_stream_wer(base, streams, work)
+                per_turn = await batch_turn_texts(base, streams, outcomes, work)
+                r["turns_uploaded"] = turns_uploaded(streams, outcomes, per_turn, texts)
             results.append(r)
             print(json.dumps({k: v for k, v in r.items() if k != "texts"}), flush=True)
     finally:
@@ -283,6 +341,8 @@ def main() -> None:
     ap.add_argument("--beside", choices=("none", "long"), default="none")
     ap.add_argument("--long-minutes", type=float, default=20.0)
     ap.add_argument("--batch-wer", action="store_true")
+    ap.add_argument("--silence-ms", type=int, default=500,
+                    help="server VAD's silence_duration_ms (OpenAI's default 500)")
     ap.add_argument("--seed", type=int, default=34)
     ap.add_argument("--model", default="whisper-base")
     ap.add_argument("--out", type=Path, required=True)

@@ -131,6 +131,24 @@ class Outcome:
     turns: list[list[tuple[str, int]]] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     t0: float = 0.0  # wall time of stream time 0
+    # every finalised turn: (start_s, end_s or None: the stream's end, text), in arrival order
+    spans: list[tuple[float, float | None, str]] = field(default_factory=list)
+
+
+def turn_audio(stream: Stream, spans: Sequence[tuple[float, float | None, str]]
+               ) -> list[np.ndarray]:
+    """Each turn's audio as the session heard it: the stream from its start to its end."""
+    return [stream.audio[round(a * RATE):None if b is None else round(b * RATE)]
+            for a, b, _ in spans]
+
+
+def read_as(stream: Stream, outcome: Outcome, texts: Sequence[str]) -> Outcome:
+    """``outcome`` with its turns read as ``texts`` instead (one per span, in span order): the
+    same turns' uploads, scored as the live text is (:func:`wer_by_turns`)."""
+    spans = [(a, b, t) for (a, b, _), t in zip(outcome.spans, texts, strict=True)]
+    return Outcome(heard=set(outcome.heard), spans=spans,
+                   text=" ".join(t.strip() for t in texts if t.strip()),
+                   turns=turns_over(stream.utterances, spans))
 
 
 def live_clips(clips: Sequence[Clip] | None = None) -> list[Clip]:

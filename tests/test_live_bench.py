@@ -219,3 +219,30 @@ def test_wer_by_set_keeps_read_speech_apart_from_the_hard_cases() -> None:
                                 "batch_wer_percent": 0.0}
     assert r["other_sets"] == {"utterances": 1, "words": 3, "live_wer_percent": 100.0,
                                "batch_wer_percent": 33.333}  # rounded by wer_percent
+
+
+def test_the_turns_uploaded_are_cut_and_scored_as_the_live_turns() -> None:
+    """Each finalised turn's audio is the stream between its span's ends (an open end: to the
+    stream's end), and its upload's text takes the live text's place utterance by utterance."""
+    from loadtest.live_common import read_as, turn_audio
+
+    audio = np.arange(16_000 * 6, dtype=np.float32)
+    u = [Utterance("a", "red green blue", 0.5, 2.0), Utterance("b", "cat dog", 3.0, 5.0)]
+    s = Stream(audio, u)
+    spans: list[tuple[float, float | None, str]] = [
+        (0.4, 1.2, "red"), (1.3, 2.2, "green blew"), (2.9, None, "cat dig")]
+    cut = turn_audio(s, spans)
+    assert [(c[0], c.size) for c in cut] == [(6400.0, 12_800), (20_800.0, 14_400),
+                                           (46_400.0, 49_600)]
+    live = Outcome(heard={0, 1}, spans=spans, turns=turns_over(u, spans))
+    read = read_as(s, live, ["red", "green blue", "cat dog"])
+    assert read.text == "red green blue cat dog" and read.heard == {0, 1}
+    assert read.turns == [[("red", 1), ("green blue", 1)], [("cat dog", 1)]]
+    batch = {"a": "red green blue", "b": "cat dog"}
+    r = wer_by_turns([s], [live], batch)
+    assert r["split"]["live_wer_percent"] == pytest.approx(100 / 3, abs=0.01)
+    assert r["one_turn"]["live_wer_percent"] == 50.0
+    r = wer_by_turns([s], [read], batch)
+    assert r["split"]["live_wer_percent"] == 0.0 and r["one_turn"]["live_wer_percent"] == 0.0
+    with pytest.raises(ValueError):
+        read_as(s, live, ["red"])  # a text for every turn, or none
