@@ -126,3 +126,18 @@ def test_adversarial_decode_sequences_never_contradict_and_always_join() -> None
                 [key(w) for w in words(shown[-1])]:
             # the final extends what was shown: the transcript is the final decode
             assert [key(w) for w in words(transcript)] == [key(w) for w in words(final)]
+
+
+def test_a_decode_of_nearly_the_same_audio_is_no_second_opinion() -> None:
+    """Two reads of ~1 s of "Montreal" both said "Montreal. Montreal." (an early final 0.12 s
+    after an interim): they agree with each other, not with the speech. A decode confirms the
+    one before it only after MIN_NEW_AUDIO_S more audio; closer, it replaces that one's tail."""
+    a = Agreement()
+    assert a.interim(" Montreal. Montreal.", 1.04) == ""
+    assert a.interim(" Montreal. Montreal.", 1.16) == ""  # 0.12 s on: nothing sent
+    assert a.interim(" Montreal, uh", 1.9) == "Montreal,"  # agrees with the 1.16 s read
+    delta, transcript = a.final(" Montreal, uh, uh.")
+    assert transcript == "Montreal, uh, uh." and delta == " uh, uh."
+    b = Agreement()  # without lengths (or far enough apart) agreement is as before
+    assert b.interim(" Montreal. Montreal.") == ""
+    assert b.interim(" Montreal. Montreal.") == "Montreal. Montreal."

@@ -333,3 +333,31 @@ def test_pcm16_event_from_the_sdk_helper_shape() -> None:
     """What the SDK's ``input_audio_buffer.append(audio=...)`` sends is what appends() sends."""
     raw = json.loads(appends(speech(0.1))[0])
     assert set(raw) == {"type", "audio"} and base64.b64decode(raw["audio"])
+
+
+async def test_each_interim_tells_the_agreement_how_much_audio_it_read(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """An interim read of the turn so far, then the early final started at the pause, which
+    speech resumed after: each reaches the agreement with the seconds it read (the early one:
+    from the turn's start to the pause), so two reads of nearly the same audio do not confirm
+    each other (app/live/agreement.py)."""
+    from app.live.agreement import Agreement
+
+    heard: list[float | None] = []
+    interim = Agreement.interim
+
+    def recording(self: Agreement, hypothesis: str, heard_s: float | None = None) -> str:
+        heard.append(heard_s)
+        return interim(self, hypothesis, heard_s)
+
+    monkeypatch.setattr(Agreement, "interim", recording)
+    audio = np.concatenate([silence(0.5), speech(0.9), silence(0.35), speech(1.5, seed=1),
+                            silence(1.0)])
+    dec = ScriptedDecoder()
+    events, _, _ = await run_script(appends(audio), decoder=dec)
+    reads = [s for kind, s, _ in dec.calls if kind == "interim"]
+    assert reads and heard[0] == pytest.approx(reads[0])  # the first interim's read
+    early = next(s for kind, s, _ in dec.calls if kind == "final")
+    assert len(heard) >= 2 and heard[1] == pytest.approx(early) and early > heard[0]
+    done = [e for e in events if e["type"].endswith(".completed")]
+    assert done[0]["transcript"] == joined(events, done[0]["item_id"])

@@ -221,7 +221,7 @@ class LiveSession:
         elif t is None:
             return
         elif e.kind == "pause" and t.vad and t.early is None:  # the final, early (turns.py)
-            t.early = asyncio.create_task(self._final_decode(t.start, e.at))
+            t.early, t.early_upto = asyncio.create_task(self._final_decode(t.start, e.at)), e.at
         elif e.kind == "resume" and t.early is not None:
             # Not over: the early decode read the turn so far, which is an interim's input, so
             # its text is the turn's next interim rather than work thrown away (at 16 streams
@@ -310,10 +310,11 @@ class LiveSession:
         t.interim = asyncio.create_task(self._interim(t, self._buf.slice(t.start, self._buf.end)))
 
     async def _interim(self, t: Turn, audio: np.ndarray | asyncio.Task[str]) -> None:
+        heard = audio.size if isinstance(audio, np.ndarray) else t.early_upto - t.start
         text = await self._read.interim(t, audio, self.config.options())
         if text is None or t.closed:
             return
-        delta = t.agreement.interim(text)
+        delta = t.agreement.interim(text, heard / SAMPLE_RATE)
         if delta:
             self._emit(TranscriptionDelta(item_id=t.item_id, delta=delta))
 

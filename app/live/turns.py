@@ -182,6 +182,7 @@ class Turn:
     interim_upto: int = 0  # buffer end when the last interim decode was launched
     closed: bool = False
     early: asyncio.Task[str] | None = None  # the final's decode, started at a pause
+    early_upto: int = 0  # where that decode's audio ends
     answered: int = 0  # interim decodes answered
     backoff: int = 1  # interim interval multiplier: doubled when the batcher sheds one
     refreshed: float = field(default_factory=time.monotonic)  # opened, or last interim answered
