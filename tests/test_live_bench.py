@@ -246,3 +246,22 @@ def test_the_turns_uploaded_are_cut_and_scored_as_the_live_turns() -> None:
     assert r["split"]["live_wer_percent"] == 0.0 and r["one_turn"]["live_wer_percent"] == 0.0
     with pytest.raises(ValueError):
         read_as(s, live, ["red"])  # a text for every turn, or none
+
+
+def test_runs_of_the_live_bench_pool_by_words() -> None:
+    """Per N, each run's WERs weighted by its reference words; runs without the turns' uploads
+    (older files) and other N are kept apart."""
+    from loadtest.live_report import pooled
+
+    def row(n: int, live: float, turns: float, words: int) -> dict[str, object]:
+        return {"streams": n, "wer_percent": live, "turns_uploaded": {"wer_percent": turns},
+                "batch_wer_percent": 5.0, "batch_stream_wer_percent": 9.0,
+                "wer_by_set": {"read_speech": {"words": words - 10}, "other_sets": {"words": 10}}}
+
+    runs = [{"results": [row(4, 10.0, 8.0, 100), row(16, 20.0, 22.0, 400)]},
+            {"results": [row(4, 4.0, 5.0, 300)]},
+            {"results": [{"streams": 4, "wer_percent": 99.0}]}]
+    got = pooled(runs)
+    assert got[4] == {"live": 5.5, "turns_uploaded": 5.8, "clips": 5.0, "streams": 9.0,
+                      "words": 400, "runs": 2}
+    assert got[16]["live"] == 20.0 and got[16]["runs"] == 1
