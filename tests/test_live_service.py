@@ -127,3 +127,23 @@ def test_keyless_handshakes_answer_only_loopback_host_names(server: Server) -> N
     with httpx.Client(base_url=server.url, timeout=30) as c:
         r = c.get("/v1/realtime?intent=transcription", headers={**upgrade, "Host": "evil.example"})
         assert r.status_code == 421, r.text
+
+
+async def test_a_refused_handshake_is_a_status_not_an_error_in_the_log(server: Server) -> None:
+    """A socket from a foreign page is refused with a 403 denial response. The service's log
+    says so at INFO and logs no ERROR: uvicorn's default WebSocket protocol logged "ASGI
+    callable returned without completing handshake." for every refusal, so any client could
+    fill an error alert (app/__main__.py ``WebSockets``)."""
+    import websockets
+
+    url = server.url.replace("http://", "ws://") + "/v1/realtime?intent=transcription"
+    for _ in range(2):
+        with pytest.raises(websockets.InvalidStatus) as e:
+            async with websockets.connect(url, additional_headers={
+                    "Origin": "https://evil.example"}):
+                pass
+        assert e.value.response.status_code == 403
+    await asyncio.sleep(0.5)  # the log line of the last refusal
+    log = server.log_path.read_text(errors="replace") if server.log_path else ""
+    assert '/v1/realtime?intent=transcription\\" 403' in log  # the access line, at INFO
+    assert "without completing handshake" not in log and '"level": "ERROR"' not in log
