@@ -9,6 +9,7 @@ import asyncio
 import base64
 import hashlib
 import json
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,29 @@ def url(tmp_path_factory: pytest.TempPathFactory, hooks: Receiver) -> Iterator[s
     fake = FakeEngine()
     with serve(create_app(settings, engine_factory=lambda s: fake)) as u:
         yield u
+
+
+def wait_released(url: str) -> None:
+    """Until no session holds a slot, within BOUND: a leaked slot fails. A client's close returns
+    once the server's protocol answers the close frame, a moment before the session's handler
+    ends and gives its slot back; a session opened at once on the same key could find the
+    per-key limit still full on a loaded machine (CI, stop 46)."""
+    open_now = -1.0
+    deadline = time.monotonic() + BOUND
+    while time.monotonic() < deadline:
+        open_now = samples(httpx.get(url + "/metrics").text)["batchscribe_live_sessions_open"][0][1]
+        if open_now == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError(f"{open_now} live sessions still hold a slot {BOUND} s on")
+
+
+@pytest.fixture(autouse=True)
+def released(url: str) -> Iterator[None]:
+    """Each test starts with every slot free and gives back every slot it took."""
+    wait_released(url)
+    yield
+    wait_released(url)
 
 
 def ws_url(url: str, **query: str) -> str:
@@ -202,8 +226,10 @@ async def test_a_client_secrets_session_is_where_its_socket_starts(url: str) -> 
         updated = (await until(ws, "session.updated"))[-1]["session"]["audio"]["input"]
         assert updated["turn_detection"]["type"] == "server_vad"
         assert updated["transcription"]["language"] == "de"  # what the update left out stays
+    await asyncio.to_thread(wait_released, url)  # three sessions in turn on one key (limit 2)
     async with connect(ws_url(url, client_secret=secret["value"])) as ws:  # the query's way
         assert (await until(ws, "session.created"))[-1]["session"]["audio"]["input"] == opened
+    await asyncio.to_thread(wait_released, url)
     async with connect(ws_url(url), additional_headers=auth) as ws:
         plain = (await until(ws, "session.created"))[-1]["session"]["audio"]["input"]
         assert plain["turn_detection"]["type"] == "server_vad" and plain["format"]["rate"] == 24000
