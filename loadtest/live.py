@@ -20,6 +20,8 @@ VAD cut each utterance: held whole by one turn, split at pauses, merged, or not 
 and (``turns_uploaded``) each turn the session finalised uploaded on its own, so that the gap
 between live and the clips' uploads splits into what reading turns live costs and what the
 turns themselves cost (``--silence-ms``: the pause that ends a turn, OpenAI's 500 by default).
+``--eagerness off,auto`` runs each N twice in turn on the same streams, with server VAD and
+with ``semantic_vad`` at eagerness auto (``turn_detection`` in each result).
 
 ``--beside long`` keeps a 20-minute upload in flight throughout (posted again when it ends), as
 loadtest/traffic.py does for short clips. Streams, pacing and scores: loadtest/live_common.py.
@@ -56,14 +58,15 @@ from loadtest.live_common import (
 )
 
 
-def session_config(silence_ms: int = 500) -> dict[str, Any]:
-    """The ``session.update`` a bench session sends (OpenAI's server VAD defaults but the
-    pause that ends a turn, ``--silence-ms``)."""
+def session_config(silence_ms: int = 500, eagerness: str | None = None) -> dict[str, Any]:
+    """The ``session.update`` a bench session sends: OpenAI's server VAD defaults but the
+    pause that ends a turn (``--silence-ms``), or ``semantic_vad`` at ``--eagerness``."""
+    td: dict[str, Any] = {"type": "semantic_vad", "eagerness": eagerness} if eagerness else {
+        "type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
+        "silence_duration_ms": silence_ms}
     return {"type": "transcription", "audio": {"input": {
         "format": {"type": "audio/pcm", "rate": 24000},
-        "transcription": {"model": "whisper-base", "language": "en"},
-        "turn_detection": {"type": "server_vad", "threshold": 0.5, "prefix_padding_ms": 300,
-                           "silence_duration_ms": silence_ms}}}}
+        "transcription": {"model": "whisper-base", "language": "en"}, "turn_detection": td}}}
 
 
 SESSION = session_config()
@@ -280,6 +283,23 @@ async def keep_long(base_url: str, stop: asyncio.Event, minutes: float, work: Pa
     return posted
 
 
+async def one_run(args: argparse.Namespace, base: str, ws_url: str, headers: dict[str, str],
+                  streams: list[Stream], mode: str, work: Path) -> dict[str, Any]:
+    """The ``streams`` as live sessions (``mode``: ``off`` for server VAD, else semantic_vad's
+    eagerness), beside the long upload if asked."""
+    stop = asyncio.Event()
+    beside = (asyncio.create_task(keep_long(base, stop, args.long_minutes, work))
+              if args.beside == "long" else None)
+    load = loadavg()
+    r = await run_sessions(ws_url, streams, headers, args.drain, args.tolerance,
+                           session_config(args.silence_ms, None if mode == "off" else mode))
+    stop.set()
+    r.update({"turn_detection": "server_vad" if mode == "off" else f"semantic_vad/{mode}",
+              "load_before": load, "load_after": loadavg(), "beside": args.beside,
+              "long_uploads_posted": await beside if beside else 0})
+    return r
+
+
 async def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     from loadtest.service import Server
 
@@ -300,30 +320,28 @@ async def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     cache: dict[str, np.ndarray] = {}
     results = []
     try:
+        modes = (args.eagerness or "off").split(",")  # side by side at each N, in turn
         for n in (int(x) for x in args.streams.split(",")):
             streams = [build_stream(clips, args.seconds, args.seed + k, cache=cache)
                        for k in range(n)]
-            stop = asyncio.Event()
-            beside = (asyncio.create_task(keep_long(base, stop, args.long_minutes, work))
-                      if args.beside == "long" else None)
-            load = loadavg()
-            r = await run_sessions(ws_url, streams, headers, args.drain, args.tolerance,
-                                   session_config(args.silence_ms))
-            outcomes = r.pop("outcomes")
-            stop.set()
-            r.update({"load_before": load, "load_after": loadavg(), "beside": args.beside,
-                      "long_uploads_posted": await beside if beside else 0})
-            if args.batch_wer:
-                texts = await batch_texts(base, streams)
-                r["batch_wer_percent"] = batch_wer(streams, texts)
-                r["wer_by_turns"] = wer_by_turns(streams, outcomes, texts)
-                r["wer_by_set"] = wer_by_set(streams, outcomes, texts,
-                                             {c.id: c.set for c in clips})
-                r["batch_stream_wer_percent"] = await batch_stream_wer(base, streams, work)
-                per_turn = await batch_turn_texts(base, streams, outcomes, work)
-                r["turns_uploaded"] = turns_uploaded(streams, outcomes, per_turn, texts)
-            results.append(r)
-            print(json.dumps({k: v for k, v in r.items() if k != "texts"}), flush=True)
+            uploaded: dict[str, Any] = {}  # the same streams' batch reads, for every mode
+            for mode in modes:
+                r = await one_run(args, base, ws_url, headers, streams, mode, work)
+                outcomes = r.pop("outcomes")
+                if args.batch_wer:
+                    if not uploaded:
+                        uploaded["texts"] = texts = await batch_texts(base, streams)
+                        uploaded["stream"] = await batch_stream_wer(base, streams, work)
+                    texts = uploaded["texts"]
+                    r["batch_wer_percent"] = batch_wer(streams, texts)
+                    r["wer_by_turns"] = wer_by_turns(streams, outcomes, texts)
+                    r["wer_by_set"] = wer_by_set(streams, outcomes, texts,
+                                                 {c.id: c.set for c in clips})
+                    r["batch_stream_wer_percent"] = uploaded["stream"]
+                    per_turn = await batch_turn_texts(base, streams, outcomes, work)
+                    r["turns_uploaded"] = turns_uploaded(streams, outcomes, per_turn, texts)
+                results.append(r)
+                print(json.dumps({k: v for k, v in r.items() if k != "texts"}), flush=True)
     finally:
         if server is not None:
             server.stop()
@@ -343,6 +361,9 @@ def main() -> None:
     ap.add_argument("--batch-wer", action="store_true")
     ap.add_argument("--silence-ms", type=int, default=500,
                     help="server VAD's silence_duration_ms (OpenAI's default 500)")
+    ap.add_argument("--eagerness", help="semantic_vad turns at these eagerness levels, each "
+                    "N run once per level in turn: low, medium, high, auto, or off for server "
+                    "VAD (default: off)")
     ap.add_argument("--seed", type=int, default=34)
     ap.add_argument("--model", default="whisper-base")
     ap.add_argument("--out", type=Path, required=True)

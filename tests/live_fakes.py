@@ -61,6 +61,7 @@ class ScriptedDecoder:
         self.in_flight = 0
         self.demoted = 0  # finals the session said became interims (see decoding.demote)
         self.doubtful = False  # a decode that continues a prefix comes back doubtful
+        self.ending = ""  # after the words of every decode ("." : it sounds finished)
 
     def demote(self, task: asyncio.Task[Any]) -> None:
         self.demoted += 1
@@ -85,7 +86,7 @@ class ScriptedDecoder:
         n = round(np.count_nonzero(rms > 0.05) * CHUNK / 16_000 * 2)
         # A decode that continues a prefix (the turn before, read first) says what follows it.
         first = len(options.prefix.split()) if options.prefix else 0
-        return Decoded("".join(f" w{k}" for k in range(first, n)), options.language,
+        return Decoded("".join(f" w{k}" for k in range(first, n)) + self.ending, options.language,
                        doubtful=self.doubtful and first > 0)
 
 

@@ -139,10 +139,11 @@ def test_bench_session_config_is_what_the_sdk_sends() -> None:
     from openai.types.realtime.session_update_event_param import SessionUpdateEventParam
 
     from app.live.protocol import SessionUpdate, parse_client_event
-    from loadtest.live import SESSION
+    from loadtest.live import SESSION, session_config
 
-    ev: SessionUpdateEventParam = {"type": "session.update", "session": SESSION}  # type: ignore[typeddict-item]
-    assert isinstance(parse_client_event(json.dumps(ev)), SessionUpdate)
+    for session in (SESSION, session_config(eagerness="auto")):
+        ev: SessionUpdateEventParam = {"type": "session.update", "session": session}  # type: ignore[typeddict-item]
+        assert isinstance(parse_client_event(json.dumps(ev)), SessionUpdate)
 
 
 def test_wer_of_the_heard_utterances_leaves_out_what_the_vad_missed() -> None:

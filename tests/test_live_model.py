@@ -69,11 +69,13 @@ async def test_real_model_turns_text_while_speaking_and_completed_transcripts(en
     assert wer is not None and wer <= 15.0, text
 
 
-async def stream(session: LiveSession, audio: np.ndarray, pace_s: float = 0.05) -> list[dict]:
+async def stream(session: LiveSession, audio: np.ndarray, pace_s: float = 0.05,
+                 turn_detection: dict | None = None) -> list[dict]:
     """16 kHz ``audio`` in 100 ms appends every ``pace_s`` (0.05: twice real time), then the
     client leaves: every event the session sent."""
     update = {"type": "session.update", "session": {"type": "transcription", "audio": {"input": {
-        "format": {"type": "audio/pcm", "rate": 16000}, "transcription": {"language": "en"}}}}}
+        "format": {"type": "audio/pcm", "rate": 16000}, "transcription": {"language": "en"},
+        **({"turn_detection": turn_detection} if turn_detection else {})}}}}
     inbox: asyncio.Queue[str | None] = asyncio.Queue()
     inbox.put_nowait(json.dumps(update))
     runner = asyncio.create_task(session.run(inbox.get))
@@ -131,3 +133,35 @@ async def test_a_sentence_said_with_pauses_is_read_on_from_its_last_piece(engine
         wers[name] = wer_percent([clip.reference], [texts[name]])
     assert wers["continued"] is not None and wers["alone"] is not None
     assert wers["continued"] <= wers["alone"], (texts, wers)
+
+
+async def test_semantic_vad_keeps_a_phrase_said_with_a_long_pause_in_one_turn(engine) -> None:
+    """MFA's "Montreal forced ... um ... forced aligner", with a 2 s pause after "Montreal
+    forced": server_vad at OpenAI's defaults ends a turn there (the detector alone, no decode).
+    With semantic_vad (eagerness auto: 4 s for a turn that does not sound finished) the read
+    at that pause, "Montreal forced", ends on no full stop, so the turn stays open and the
+    phrase is one turn, read whole."""
+    from app.audio import decode
+    from app.audio.vad import SileroVad
+    from app.engine.placement import EngineRunner
+    from app.live.turns import SileroTurns, VadRules
+
+    clip = {c.id: c for c in corpus_clips()}["mfa-mfa_uhum"]
+    audio = np.concatenate([np.zeros(8_000, np.float32), decode(clip.path, 60.0),
+                            np.zeros(80_000, np.float32)])
+    vad = SileroVad()
+    turns = SileroTurns(vad.probability_stream(), VadRules())
+    server_vad = sum(e.kind == "stop" for i in range(0, audio.size, 1600)
+                     for e in turns.feed(audio[i:i + 1600]))
+    decode_ = engine_decoder(EngineRunner(engine).run, pad_margin_s=LiveLimits().final_pad_margin_s)
+    events = await stream(LiveSession(decode_, vad), audio,
+                          turn_detection={"type": "semantic_vad", "eagerness": "auto"})
+    assert [e for e in events if e["type"] in ("error", "conversation.item."
+                                               "input_audio_transcription.failed")] == []
+    done = [e for e in events if e["type"].endswith(".completed")]
+    for c in done:
+        assert c["transcript"] == "".join(e["delta"] for e in events if e["type"].endswith(
+            ".delta") and e["item_id"] == c["item_id"])
+    texts = [c["transcript"].lower() for c in done]
+    assert server_vad >= 2 and len(done) == 1, (server_vad, texts)
+    assert "montreal" in texts[0] and "aligner" in texts[0], texts

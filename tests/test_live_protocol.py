@@ -117,8 +117,14 @@ def test_append_and_its_event_id() -> None:
     ('{"type": "session.update", "session": {"type": "transcription", "audio": {"input": '
      '{"format": {"type": "audio/opus"}}}}}', "invalid_value", "session.audio.input.format"),
     ('{"type": "session.update", "session": {"type": "transcription", "audio": {"input": '
-     '{"turn_detection": {"type": "semantic_vad"}}}}}', "invalid_value",
-     "session.audio.input"),
+     '{"turn_detection": {"type": "push_to_talk"}}}}}', "invalid_value",
+     "session.audio.input.turn_detection"),
+    ('{"type": "session.update", "session": {"type": "transcription", "audio": {"input": '
+     '{"turn_detection": {"type": "semantic_vad", "eagerness": "eager"}}}}}', "invalid_value",
+     "session.audio.input.turn_detection.eagerness"),
+    ('{"type": "session.update", "session": {"type": "transcription", "audio": {"input": '
+     '{"turn_detection": {"type": "semantic_vad", "silence_duration_ms": 200}}}}}',
+     "unknown_parameter", "session.audio.input.turn_detection.silence_duration_ms"),
     ('{"type": "session.update", "session": {"type": "transcription", "audio": {"input": '
      '{"turn_detection": {"type": "server_vad", "threshold": 2}}}}}', "invalid_value",
      "session.audio.input.turn_detection.threshold"),

@@ -361,3 +361,29 @@ async def test_each_interim_tells_the_agreement_how_much_audio_it_read(
     assert len(heard) >= 2 and heard[1] == pytest.approx(early) and early > heard[0]
     done = [e for e in events if e["type"].endswith(".completed")]
     assert done[0]["transcript"] == joined(events, done[0]["item_id"])
+
+
+async def test_semantic_vad_holds_a_turn_over_a_pause_unless_it_sounds_finished() -> None:
+    """semantic_vad (eagerness auto: 500 ms if finished, else 4 s): a 1 s pause after words
+    the read leaves open does not end the turn, so both phrases are one turn read whole; the
+    same pause after a read that ends a sentence ends it after 500 ms, as server_vad would."""
+    semantic = event("session.update", session={"type": "transcription", "audio": {"input": {
+        "turn_detection": {"type": "semantic_vad"}}}})
+    audio = np.concatenate([silence(0.5), speech(1.5), silence(1.0), speech(1.5, seed=1),
+                            silence(5.0)])
+    for ending, turns in (("", 1), (".", 2)):
+        dec = ScriptedDecoder()
+        dec.ending = ending
+        events, _, _ = await run_script([semantic, *appends(audio)], decoder=dec)
+        updated = next(e for e in events if e["type"] == "session.updated")
+        assert updated["session"]["audio"]["input"]["turn_detection"] == {
+            "type": "semantic_vad", "eagerness": "auto"}
+        stops = [e["audio_end_ms"] for e in events if e["type"].endswith("speech_stopped")]
+        done = [e["transcript"] for e in events if e["type"].endswith(".completed")]
+        assert len(stops) == len(done) == turns, (ending, stops, done)
+        if turns == 1:
+            assert done == ["w0 w1 w2 w3 w4 w5"]
+            assert 8500 <= stops[0] <= 8600  # 4 s after the speech: eagerness auto's timeout
+        else:
+            assert done == ["w0 w1 w2.", "w0 w1 w2."]  # each phrase read alone (1 s apart)
+            assert 2500 <= stops[0] <= 2700 and 5000 <= stops[1] <= 5200  # 500 ms each

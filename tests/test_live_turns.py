@@ -139,3 +139,40 @@ def test_a_whisper_after_a_loud_turn_opens_a_turn() -> None:
     starts = [e.at for e in edges if e.kind == "start"]
     whisper_from = gap.size * 2 + loud.size
     assert any(whisper_from - 4800 <= at < whisper_from + quiet.size for at in starts), edges
+
+
+def test_semantic_vad_ends_a_finished_turn_early_and_waits_out_an_open_one() -> None:
+    """``done_silence_ms``: a pause whose read sounded finished (``mark_done``) ends the turn
+    after the short silence; an unmarked one only after ``silence_duration_ms`` (eagerness's
+    timeout); a mark outlives neither the silence it was for nor the turn."""
+    rules = VadRules(silence_duration_ms=4000, early_final_ms=200, done_silence_ms=500)
+    d = TurnDetector(rules)
+    edges = d.feed(probs((0.9, 10), (0.0, 10)))  # 320 ms quiet: past the 200 ms pause edge
+    pause = edges[-1]
+    assert [e.kind for e in edges] == ["start", "pause"] and pause.at == 17 * CHUNK
+    d.mark_done(pause.at)
+    stop = d.feed(probs((0.0, 6)))[-1]  # ends at the first chunk 500 ms into the quiet
+    assert stop == Edge("stop", 26 * CHUNK, speech_end=10 * CHUNK)
+
+    d = TurnDetector(rules)
+    first = d.feed(probs((0.9, 10), (0.0, 10)))[-1]
+    d.mark_done(first.at)
+    assert [e.kind for e in d.feed(probs((0.9, 5)))] == ["resume"]  # the mark is stale now
+    quiet = d.feed(probs((0.0, 30)))  # 960 ms: a new pause, unmarked, and no stop
+    assert [e.kind for e in quiet] == ["pause"]
+    stops = [e for e in d.feed(probs((0.0, 100))) if e.kind == "stop"]
+    assert stops == [Edge("stop", (25 + 125) * CHUNK, speech_end=25 * CHUNK)]  # after 4 s
+
+    d = TurnDetector(VadRules(silence_duration_ms=1000, early_final_ms=200))
+    plain = d.feed(probs((0.9, 10), (0.0, 10)))[-1]
+    d.mark_done(plain.at)  # without done_silence_ms (server_vad) the mark changes nothing
+    assert [e.at for e in d.feed(probs((0.0, 6))) if e.kind == "stop"] == []
+
+
+def test_sounds_finished_reads_whispers_punctuation() -> None:
+    from app.live.turns import sounds_finished
+
+    for text in (" Ask not what your country can do for you.", "Really?", "Stop! ", "好的。"):
+        assert sounds_finished(text), text
+    for text in (" And so my fellow Americans", " MFA is like,", " Montreal or...", "well…", ""):
+        assert not sounds_finished(text), text

@@ -17,6 +17,7 @@ from app.live.protocol import (
     AudioInput,
     NoiseReduction,
     PcmFormat,
+    SemanticVad,
     ServerVad,
     Transcription,
     TranscriptionSession,
@@ -25,13 +26,17 @@ from app.live.turns import VadRules
 
 # A session's bounds and pacing are the service's ``live`` settings block (app/config).
 LiveLimits = LiveSettings
+# semantic_vad's eagerness -> (ms of silence that end a turn that sounds finished, ms that end
+# any turn): the second is OpenAI's documented timeout (8 / 4 / 2 s; auto is medium); the first
+# is server_vad's 500 ms default for medium, and the pause the early read starts at for high.
+EAGERNESS = {"low": (1000, 8000), "medium": (500, 4000), "auto": (500, 4000), "high": (200, 2000)}
 
 
 @dataclass
 class SessionConfig:
     format: Format = field(default_factory=PcmFormat)
     transcription: Transcription | None = None
-    turn_detection: ServerVad | None = field(default_factory=ServerVad)
+    turn_detection: ServerVad | SemanticVad | None = field(default_factory=ServerVad)
     noise_reduction: NoiseReduction | None = None
     include: list[str] | None = None
 
@@ -68,6 +73,11 @@ class SessionConfig:
         td = self.turn_detection
         if td is None:
             return None
+        if isinstance(td, SemanticVad):  # the read at a pause is what judges it: always early
+            done, most = EAGERNESS[td.eagerness]
+            early = limits.early_final_ms if 0 < limits.early_final_ms <= done else done
+            return VadRules(max_turn_s=limits.max_turn_s, silence_duration_ms=most,
+                            early_final_ms=early, done_silence_ms=done)
         early = limits.early_final_ms if limits.early_final_ms < td.silence_duration_ms else 0
         return VadRules(td.threshold, td.prefix_padding_ms, td.silence_duration_ms,
                         limits.max_turn_s, early)

@@ -96,13 +96,15 @@ def _decoded(r: WindowResult) -> Decoded:
     return Decoded(r.text, r.language, r.doubtful)
 
 
-def engine_decoder(run: RunWindows, options: DecodeOptions | None = None) -> Decode:
-    """Each decode one engine call of one window (the runner awaits the engine's threads)."""
+def engine_decoder(run: RunWindows, options: DecodeOptions | None = None,
+                   pad_margin_s: float | None = None) -> Decode:
+    """Each decode one engine call of one window (the runner awaits the engine's threads),
+    padded as ``pad_margin_s`` says (None: the model's margin)."""
     key = options or DecodeOptions()
 
     async def decode(audio: np.ndarray, options: LiveOptions, kind: Kind,
                      refresh: Refresh = (0, 0.0)) -> Decoded:
-        [r] = await run([options.window(audio)], key)
+        [r] = await run([options.window(audio, pad_margin_s)], key)
         return _decoded(r)
 
     return decode

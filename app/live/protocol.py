@@ -80,6 +80,20 @@ class ServerVad(_Strict):
     idle_timeout_ms: int | None = None
 
 
+class SemanticVad(_Strict):
+    """``semantic_vad`` turn detection: a turn ends after a short silence when what was said
+    sounds finished, and waits up to ``eagerness``'s timeout (OpenAI's 8 / 4 / 2 s for low /
+    medium / high; ``auto`` is medium) when it does not (app/live/turns.py)."""
+
+    type: Literal["semantic_vad"] = "semantic_vad"
+    eagerness: Literal["low", "medium", "high", "auto"] = "auto"
+    create_response: bool | None = None
+    interrupt_response: bool | None = None
+
+
+TurnDetection = Annotated[ServerVad | SemanticVad, Field(discriminator="type")]
+
+
 class NoiseReduction(_Strict):
     type: Literal["near_field", "far_field"] | None = None
     strength: float | None = None
@@ -88,21 +102,19 @@ class NoiseReduction(_Strict):
 class AudioInput(_Strict):
     format: AudioFormat | None = None
     transcription: Transcription | None = None
-    turn_detection: ServerVad | None = None
+    turn_detection: TurnDetection | None = None
     noise_reduction: NoiseReduction | None = None
 
     @model_validator(mode="before")
     @classmethod
     def _defaults(cls, data: Any) -> Any:
-        """A format without ``type`` is PCM (the SDK's ``AudioPCM`` has it optional);
-        ``semantic_vad`` needs a turn model the service does not have: a clear refusal."""
+        """A format without ``type`` is PCM (the SDK's ``AudioPCM`` has it optional), turn
+        detection without one is ``server_vad`` (OpenAI's default)."""
         if isinstance(data, dict):
             fmt = data.get("format")
             if isinstance(fmt, dict) and "type" not in fmt:
                 data = {**data, "format": {**fmt, "type": "audio/pcm"}}
             td = data.get("turn_detection")
-            if isinstance(td, dict) and td.get("type", "server_vad") != "server_vad":
-                raise ValueError("only server_vad turn detection (or null) is supported")
             if isinstance(td, dict) and "type" not in td:
                 data = {**data, "turn_detection": {**td, "type": "server_vad"}}
         return data
@@ -215,7 +227,7 @@ def _from_validation(exc: ValidationError, kind: str, event_id: str | None) -> P
     err = exc.errors(include_url=False)[0]
     loc = [str(p) for p in err["loc"] if not (kind and str(p) == kind)]
     # Discriminated unions put the tag in the path (format -> 'audio/pcm' -> rate): drop it.
-    loc = [p for p in loc if not p.startswith("audio/") and p != "server_vad"]
+    loc = [p for p in loc if not p.startswith("audio/") and p not in ("server_vad", "semantic_vad")]
     param = ".".join(loc) or None
     etype = err["type"]
     if etype == "extra_forbidden":

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor
@@ -58,17 +59,13 @@ from app.live.protocol import (
     parse_client_event,
 )
 from app.live.reading import Reader
-from app.live.turns import Edge, LiveItem, Previous, SileroTurns, Turn, VadModel
+from app.live.turns import Edge, LiveItem, Previous, SileroTurns, Turn, VadModel, ms
 from app.windows import N_SAMPLES, SAMPLE_RATE
 
 log = logging.getLogger(__name__)
 MIN_COMMIT = SAMPLE_RATE // 10  # OpenAI refuses to commit less than 100 ms
 T = TypeVar("T")
 Receive = Callable[[], Awaitable[str | bytes | None]]
-
-
-def ms(samples: int) -> int:
-    return samples * 1000 // SAMPLE_RATE
 
 
 class LiveSession:
@@ -222,6 +219,8 @@ class LiveSession:
             return
         elif e.kind == "pause" and t.vad and t.early is None:  # the final, early (turns.py)
             t.early, t.early_upto = asyncio.create_task(self._final_decode(t.start, e.at)), e.at
+            if self._turns is not None and self._turns.semantic:  # its text judges the pause
+                t.early.add_done_callback(functools.partial(self._turns.judge, e.at))
         elif e.kind == "resume" and t.early is not None:
             # Not over: the early decode read the turn so far, which is an interim's input, so
             # its text is the turn's next interim rather than work thrown away (at 16 streams
