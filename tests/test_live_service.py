@@ -1,7 +1,8 @@
 """End to end: the official ``openai`` SDK's realtime client against the real service
 (``python -m app``, the shared ``server`` fixture: whisper-base, Silero, today's batcher) on
 ``/v1/realtime?intent=transcription``. One read-speech clip with server VAD, then a manual
-turn, then a bad event, on one connection: a few seconds of model time."""
+turn, then a bad event, on one connection: a few seconds of model time. Then a client secret,
+and semantic_vad."""
 
 from __future__ import annotations
 
@@ -148,3 +149,35 @@ async def test_a_refused_handshake_is_a_status_not_an_error_in_the_log(server: S
     assert '/v1/realtime?intent=transcription\\" 403' in log  # the access line, at INFO
     # the shared server's log holds every test's lines: only this one is the refusal's
     assert "without completing handshake" not in log
+
+
+async def test_the_sdks_semantic_vad_keeps_a_phrase_said_with_a_long_pause_in_one_turn(
+        server: Server, clips: list[Clip]) -> None:
+    """``semantic_vad`` through the SDK on the real service: MFA's "Montreal forced ... um ...
+    forced aligner" has a 2 s pause after "Montreal forced", where server_vad ends a turn
+    (tests/test_live_model.py counts them); Whisper leaves that read open, so the turn waits
+    (4 s at eagerness auto) and the phrase arrives as one turn."""
+    from openai import AsyncOpenAI
+
+    clip = {c.id: c for c in clips}["mfa-mfa_uhum"]
+    client = AsyncOpenAI(api_key="unused-here", base_url=server.url + "/v1",
+                         websocket_base_url=server.url.replace("http://", "ws://") + "/v1")
+    seen: list[Any] = []
+    async with client.realtime.connect(extra_query={"intent": "transcription"}) as conn:
+        await conn.session.update(session={
+            "type": "transcription",
+            "audio": {"input": {"transcription": {"model": "whisper-1", "language": "en"},
+                                "turn_detection": {"type": "semantic_vad", "eagerness": "auto"}}}})
+        updated = await events_until(conn, "session.updated", seen)
+        assert updated.session.audio.input.turn_detection.type == "semantic_vad"
+        assert updated.session.audio.input.turn_detection.eagerness == "auto"
+        pcm = pcm24(np.concatenate([np.zeros(4_800, np.float32), decode(clip.path, 60.0),
+                                    np.zeros(80_000, np.float32)]))
+        for k in range(0, len(pcm), 4_800):  # 100 ms appends at ~4x real time
+            await conn.input_audio_buffer.append(audio=base64.b64encode(pcm[k:k + 4_800]).decode())
+            await asyncio.sleep(0.025)
+        done = await events_until(conn, COMPLETED, seen)
+    kinds = [e.type for e in seen]
+    assert kinds.count("input_audio_buffer.speech_stopped") == 1 and "error" not in kinds, kinds
+    text = done.transcript.lower()
+    assert "montreal" in text and "aligner" in text, done.transcript
