@@ -185,3 +185,40 @@ def test_the_microphone_streams_live_and_its_words_appear(keyed: Server, clips: 
         assert page.inner_text("#live-error") == "" and errors == []
     finally:
         browser.close()
+
+
+def test_the_speakers_option_shows_who_spoke(browser: Any, keyed: Server) -> None:
+    """The page's speakers option (diarize=true) on the diarization corpus's two-speaker sample:
+    the transcript reads as speaker turns, each labelled and each a change of speaker, and
+    every segment in the list names its speaker before its words."""
+    import itertools
+
+    from playwright.sync_api import expect
+
+    from tests.test_speakers import CORPUS, SAMPLE, corpus_item
+
+    sample = CORPUS / corpus_item(SAMPLE)["file"]
+    page = browser.new_context().new_page()
+    errors: list[str] = []
+    page.on("pageerror", lambda e: errors.append(str(e)))
+    page.goto(keyed.url + "/")
+    page.wait_for_selector("#key-form:not([hidden])")
+    page.fill("#key", KEY)
+    page.click("#key-save")
+    page.wait_for_selector("#st-ready.ok")
+    page.check("#opt-speakers")
+    page.set_input_files("#files", [str(sample)])
+    job = page.locator(".job").first
+    job.locator(".transcript .text").wait_for(timeout=DONE_MS)
+    assert job.get_attribute("data-state") == "done"
+    labels = job.locator(".transcript .text .turn .speaker").all_inner_texts()
+    assert set(labels) == {"SPEAKER_00", "SPEAKER_01"}, labels
+    assert all(a != b for a, b in itertools.pairwise(labels)), labels  # a turn per change
+    expect(job.locator("details summary")).to_contain_text("2 speakers")
+    lines = job.locator("details div")
+    assert lines.count() >= len(labels)
+    for k in range(lines.count()):  # text_content: the list is folded (<details>)
+        line, who = lines.nth(k), lines.nth(k).locator(".speaker").text_content() or ""
+        assert who in labels, who
+        assert (line.text_content() or "").split(who, 1)[1].strip()  # words after the name
+    assert errors == []

@@ -108,6 +108,7 @@ function jobForm(file) {
   if (lang && lang !== "auto") form.append("language", lang);
   form.append("task", $("opt-task").value);
   form.append("word_timestamps", $("opt-words").checked ? "true" : "false");
+  if ($("opt-speakers").checked) form.append("diarize", "true");
   for (const [id, field] of [["opt-prompt", "initial_prompt"], ["opt-hotwords", "hotwords"]]) {
     const v = $(id).value.trim();
     if (v) form.append(field, v);
@@ -254,20 +255,37 @@ class JobView {
   }
 
   showTranscript(result) {
+    // Diarized (or channels=separate): the text as speaker turns, each segment with its
+    // speaker; segments with no words (a speaker turn the transcript has nothing for) are not
+    // listed. Text, never markup.
     const box = this.q(".transcript");
     box.replaceChildren();
-    const text = document.createElement("p");
+    const segments = result.segments.filter((s) => s.text.trim());
+    const speakers = result.speakers || [];
+    const text = document.createElement("div");
     text.className = "text";
-    text.textContent = result.text; // text, never markup
+    if (speakers.length) {
+      for (const turn of speakerTurns(segments)) {
+        const line = document.createElement("div");
+        line.className = "turn";
+        line.append(speakerLabel(turn.speaker), " ", turn.text);
+        text.append(line);
+      }
+    } else {
+      text.textContent = result.text;
+    }
     const details = document.createElement("details");
     const summary = document.createElement("summary");
-    summary.textContent = `${result.segments.length} segments`;
+    summary.textContent = `${segments.length} segments` +
+      (speakers.length ? `, ${speakers.length} speaker${speakers.length > 1 ? "s" : ""}` : "");
     details.append(summary);
-    for (const s of result.segments) {
+    for (const s of segments) {
       const line = document.createElement("div");
       const t = document.createElement("time");
       t.textContent = `${clock(s.start)}–${clock(s.end)}`;
-      line.append(t, " ", s.text);
+      line.append(t, " ");
+      if (s.speaker) line.append(speakerLabel(s.speaker), " ");
+      line.append(s.text.trim());
       details.append(line);
     }
     box.append(text, details);
@@ -289,6 +307,25 @@ class JobView {
     const stem = this.file.name.replace(/\.[^.]*$/, "") || "transcript";
     save(await res.blob(), `${stem}.${format === "text" ? "txt" : format}`);
   }
+}
+
+// Consecutive segments of one speaker, joined: what a reader of a conversation wants.
+function speakerTurns(segments) {
+  const turns = [];
+  for (const s of segments) {
+    const last = turns[turns.length - 1];
+    const who = s.speaker || "?";
+    if (last && last.speaker === who) last.text += " " + s.text.trim();
+    else turns.push({ speaker: who, text: s.text.trim() });
+  }
+  return turns;
+}
+
+function speakerLabel(name) {
+  const el = document.createElement("span");
+  el.className = "speaker";
+  el.textContent = name;
+  return el;
 }
 
 function clock(t) {
