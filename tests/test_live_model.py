@@ -140,7 +140,10 @@ async def test_semantic_vad_keeps_a_phrase_said_with_a_long_pause_in_one_turn(en
     forced": server_vad at OpenAI's defaults ends a turn there (the detector alone, no decode).
     With semantic_vad (eagerness auto: 4 s for a turn that does not sound finished) the read
     at that pause, "Montreal forced", ends on no full stop, so the turn stays open and the
-    phrase is one turn, read whole."""
+    phrase is one turn, read whole. The clip is chosen for a read that holds: "Montreal forced"
+    with int8, int8_float32 and float32 kernels (CPUs' int8 kernels differ), with and without a
+    language, at 0.5 and 1 s lead-in; JFK's "And so my fellow Americans" gains a full stop with
+    some of them."""
     from app.audio import decode
     from app.audio.vad import SileroVad
     from app.engine.placement import EngineRunner
