@@ -54,7 +54,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for w in windows:
         by_len.setdefault(engine.padded_samples(w), []).append(w)
 
-    tok = engine._prompts.tokenizer("en", "transcribe")
+    tok = engine._decoder.prompts.tokenizer("en", "transcribe")
     prompt = engine.model.get_prompt(tok, [], without_timestamps=True)
     decoder: dict[str, Any] = {}
     for n, ws in sorted(by_len.items(), key=lambda kv: -len(kv[1]))[:3]:

@@ -181,7 +181,7 @@ def spy_summary(dumps: list[dict[str, Any]]) -> dict[str, Any]:
                     state = "run call (both stages, one call)"
                 elif "WhisperEngine.redo" in stack:
                     state = "redo call (a fallback, apart from its decoder batch)"
-                elif "_redo_degenerate" in stack:
+                elif "_redo_axis" in stack:
                     state = "decode call, redoing a looping/unsure window at 30 s"
                 elif "WhisperEngine.decode" in stack:
                     state = "decode call"
@@ -246,7 +246,7 @@ def explain(req: dict[str, Any], trace: list[dict[str, Any]], t0: float) -> dict
 def engine_costs(model: str, threads: int = 1) -> list[dict[str, Any]]:
     """Each short clip's windows through the engine alone (batch 1, ``threads`` threads): the
     encoder and decoder stage seconds, and whether the decode went back to Whisper's 30 s axis
-    (its text looped or was unsure: app/engine/whisper.py ``_redo_degenerate``)."""
+    (its text looped or was unsure: app/engine/whisper.py ``_redo_axis``)."""
     from app.config import ModelSettings
     from app.engine.whisper import WhisperEngine
     from app.windows import DecodeOptions
@@ -256,13 +256,13 @@ def engine_costs(model: str, threads: int = 1) -> list[dict[str, Any]]:
     engine = WhisperEngine(resolve_model(model), ModelSettings(
         device="cpu", compute_type="int8", num_workers=1, cpu_threads=threads), model)
     redo: list[int] = []
-    inner = engine._transcribe
+    inner = engine._run
 
     def counted(windows: Any, options: Any, n: int, languages: Any = None) -> Any:
         redo.append(n)
         return inner(windows, options, n, languages)
 
-    engine._transcribe = counted  # type: ignore[method-assign]
+    engine._run = counted  # type: ignore[method-assign]
     opts = DecodeOptions()
     out: list[dict[str, Any]] = []
     cut = cut_corpus(clips)

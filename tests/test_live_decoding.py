@@ -109,18 +109,18 @@ def test_a_live_finals_redo_stays_at_the_engines_margin(
     window at the engine's margin goes to 30 s as an upload's does."""
     encoded_at: list[int] = []
     fallbacks_at: list[int] = []
-    encode, widen = engine._encode, engine._widen
+    encode, widen = engine._encode, engine._decoder.widen
 
     def spy_encode(windows, n, languages=None):  # type: ignore[no-untyped-def]
         encoded_at.append(n)
         return encode(windows, n, languages)
 
-    def spy_widen(encoder_output, prompts, budgets, languages, options, out):  # type: ignore[no-untyped-def]
+    def spy_widen(*args):  # type: ignore[no-untyped-def]
         fallbacks_at.append(encoded_at[-1])
-        return widen(encoder_output, prompts, budgets, languages, options, out)
+        return widen(*args)
 
     monkeypatch.setattr(engine, "_encode", spy_encode)
-    monkeypatch.setattr(engine, "_widen", spy_widen)
+    monkeypatch.setattr(engine._decoder, "widen", spy_widen)
     live = tagged_window(1, 2.0)
     live.pad_margin_s = 3.0
     [encoded] = engine.encode([live], DecodeOptions())

@@ -67,7 +67,7 @@ def test_alignment_is_the_same_in_a_batch_and_alone(engine: WhisperEngine,
     feats = np.stack([log_mel_spectrogram(w.audio, n_mels=80, padding=N_SAMPLES - len(w.audio))
                       .numpy() for w in windows]).astype(np.float32)
     mixed = [batch[0], replace(batch[1], language="fr"), *batch[2:]]
-    toks = {lang: engine._prompts.tokenizer(lang, "transcribe") for lang in ("en", "fr")}
+    toks = {lang: engine._decoder.prompts.tokenizer(lang, "transcribe") for lang in ("en", "fr")}
     regrouped = align(engine.model.model, engine.model.encode(feats), windows, mixed, toks)
     assert [[x.word for x in ws] for ws in regrouped] == [[x.word for x in r.words or []]
                                                           for r in batch]

@@ -138,9 +138,10 @@ def batch_rows(encoder_output: Any, idx: list[int]) -> Any:
 
     On a GPU the rows are gathered where they are (torch over the CUDA array interface, on this
     thread's side stream, see :func:`app.engine.mel.encoder_input`): the re-decodes
-    (``_widen``, ``_unloop``, ``_again``), the beam groups and detection each take a few rows of
-    a batch, and copying the whole output to the host and the rows back (64 windows of
-    whisper-base in float16: 98 MB each way) cost more than the decode of those rows.
+    (:class:`app.engine.decoder.WindowDecoder`'s ``widen``, ``unloop``, ``again``), the beam
+    groups and detection each take a few rows of a batch, and copying the whole output to the
+    host and the rows back (64 windows of whisper-base in float16: 98 MB each way) cost more
+    than the decode of those rows.
     CTranslate2's ``encode`` synchronises its stream before it returns, so the output is
     complete when torch reads it."""
     import ctranslate2
