@@ -26,6 +26,7 @@ HOP_LENGTH = 160  # mel frames of 10 ms
 N_FRAMES = N_SAMPLES // HOP_LENGTH
 TOKENS_PER_SECOND = SAMPLE_RATE / HOP_LENGTH / 2  # encoder positions: 20 ms each
 PAD_STEP_S = 5  # dynamic time axis: padded lengths in 5 s classes (few sub-batches per batch)
+INT16_SCALE = 1.0 / 32768.0  # int16 PCM to float32 in [-1, 1): exact (a power of two)
 TOKEN_SLACK = 16  # tokens allowed beyond max_tokens_per_s: a 1 s window may still say a phrase
 # Audio kept around each VAD speech span (split evenly between spans closer than twice this), so
 # a window reaches into the upload's own audio around its speech. faster-whisper's VAD keeps
@@ -113,10 +114,20 @@ class Prompt:
     choice: LanguageChoice | None = field(default=None, compare=False)  # per-upload detection
 
 
+def as_float(audio: np.ndarray) -> np.ndarray:
+    """A window's samples as float32 in [-1, 1] (int16 PCM scaled by :data:`INT16_SCALE`)."""
+    if audio.dtype == np.int16:
+        return audio.astype(np.float32) * np.float32(INT16_SCALE)
+    return audio
+
+
 @dataclass(eq=False)
 class Window:
     """Up to 30 s of 16 kHz mono speech cut from one upload. ``audio`` is the window's own array
-    (never a view into the whole upload), released once the window's result is back."""
+    (never a view into the whole upload), released once the window's result is back: float32
+    in [-1, 1], or int16 PCM (read as x / 32768; the engine sends int16 batches to a GPU as
+    int16, half the copy: :mod:`app.engine.mel`). Whoever reads samples rather than their
+    count takes :func:`as_float`."""
 
     audio: np.ndarray
     start: float  # seconds from the start of the upload

@@ -24,6 +24,7 @@ from app.windows import (
     Window,
     WindowResult,
     Word,
+    as_float,
 )
 
 if TYPE_CHECKING:
@@ -94,7 +95,7 @@ def word_timings(tok: Any, text_tokens: list[int], alignment: Any, window: Windo
     per_token(timing, text_tokens, probs)  # include[]=logprobs (app/engine/tokens.py)
     if timing and longest > 0:
         _trim_first_word(timing, median, longest)
-    sound = sound_starts(window.audio)
+    sound = sound_starts(as_float(window.audio))
     for k, t in enumerate(timing):
         # Without timestamp tokens the alignment path starts at frame 0, so the first word
         # absorbs the window's leading silence (the VAD pads 1.4 s), and a word after a pause
