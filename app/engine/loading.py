@@ -24,6 +24,7 @@ from app.engine.device import (
     resolve_compute_type,
     resolve_device,
 )
+from app.engine.whisper import time_axis
 from models.registry import ModelUnavailable, broken_model_message, is_broken_file, resolve
 
 log = logging.getLogger(__name__)
@@ -44,9 +45,8 @@ REFUSALS: tuple[type[BaseException], ...] = (StartupRefused, ModelUnavailable)
 
 def engine_settings(m: ModelSettings) -> ModelSettings:
     """Every ``auto`` made explicit for one engine: device, compute type (from what the device
-    supports), workers (2 per GPU, one per core on CPU), and on GPU the full 30 s time axis
-    unless one was set: one engine call per batch, never one sub-batch per padded length after
-    another (the dynamic axis was measured on CPU only)."""
+    supports), workers (2 per GPU, one per core on CPU), the time axis
+    (:func:`app.engine.whisper.time_axis`)."""
     device = resolve_device(m.device)
     index = m.device_index if device == "cuda" else 0
     try:
@@ -54,7 +54,7 @@ def engine_settings(m: ModelSettings) -> ModelSettings:
     except UnsupportedComputeType as exc:
         raise StartupRefused(str(exc)) from exc
     workers = m.num_workers or (GPU_WORKERS if device == "cuda" else len(os.sched_getaffinity(0)))
-    axis = "full" if device == "cuda" and "time_axis" not in m.model_fields_set else m.time_axis
+    axis = time_axis(m, device)
     return m.model_copy(update={"device": device, "device_index": index, "compute_type": compute,
                                 "num_workers": workers, "time_axis": axis})
 
