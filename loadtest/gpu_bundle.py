@@ -50,6 +50,9 @@ WHEELS = (
     "opentelemetry-api", "uvicorn", "httptools", "python-multipart", "SQLAlchemy", "greenlet",
     "alembic", "Mako", "srt", "jiwer", "RapidFuzz", "whisper-normalizer", "more-itertools",
     "py-spy",  # gpu-check samples the service's threads while it is saturated
+    # uvicorn's WebSocket protocol (the realtime route, app/__main__.py) and the live steps'
+    # sessions (loadtest/live.py): without it the service does not start there
+    "websockets",
 )
 FIRST = ("ctranslate2",)  # part 1: what the first probe needs
 PLATFORMS = ("manylinux_2_34_x86_64", "manylinux_2_31_x86_64", "manylinux_2_28_x86_64",
@@ -68,13 +71,17 @@ def sha256(path: Path) -> str:
 
 # ---- pack (here) ------------------------------------------------------------------------------
 def download_wheels(dest: Path, python: str) -> list[Path]:
-    """Each of :data:`WHEELS` at the version installed here, built for the host's Python; a
-    project that publishes only a source archive (srt) is built into a wheel here (pure)."""
+    """Each of :data:`WHEELS` at the version installed here (else its latest), built for the
+    host's Python; a project that publishes only a source archive (srt) is built into a wheel
+    here (pure)."""
     dest.mkdir(parents=True, exist_ok=True)
     plat = [a for p in PLATFORMS for a in ("--platform", p)]
     pip = [sys.executable, "-m", "pip"]
     for name in WHEELS:
-        pin = f"{name}=={metadata.version(name)}"
+        try:  # the version installed here; a tool only the GPU host runs (py-spy): the latest
+            pin = f"{name}=={metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            pin = name
         got = subprocess.run([*pip, "download", "-q", "--no-deps", "--only-binary=:all:",
                               "--python-version", python, "--implementation", "cp", *plat,
                               "-d", str(dest), pin], capture_output=True)
@@ -250,14 +257,18 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("command", choices=("pack", "unpack", "env"))
     ap.add_argument("--bundle", "--out", dest="bundle", type=Path, default=ROOT / ".gpu")
-    ap.add_argument("--model-dir", type=Path,
-                    default=Path(os.environ.get("BATCHSCRIBE_HOME", Path.home() / ".cache" /
-                                                "batchscribe")) / "models" / "whisper-base")
+    ap.add_argument("--model-dir", type=Path, default=None,
+                    help="the model folder to carry (default: whisper-base in the settings' "
+                         "model.cache_dir)")
     ap.add_argument("--corpus", type=Path, default=ROOT.parent / "shared" / "corpus")
     ap.add_argument("--python", default="3.12", help="the host's Python version")
     ap.add_argument("--part-mb", type=int, default=58, help="MiB per part (a call carries 64)")
     args = ap.parse_args(argv)
     if args.command == "pack":
+        if args.model_dir is None:
+            from app.config import Settings  # here only: the host has no pydantic before unpack
+
+            args.model_dir = Settings().model.cache_dir / "whisper-base"
         pack(args.bundle, args.model_dir, args.corpus, args.python, args.part_mb)
     elif args.command == "unpack":
         return unpack(args.bundle)

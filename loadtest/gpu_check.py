@@ -2,33 +2,41 @@
 
     scripts/gpu-check                                  # cuda:0, whisper-base
     scripts/gpu-check --model large-v3                 # a provisioned name, or a model folder
-    scripts/gpu-check --device cpu                     # the same run on CPU
+    scripts/gpu-check --device cpu --tiny              # the same steps on CPU, small numbers
+    scripts/gpu-check --only saturate,engine_limit_saturate,peer   # some steps
 
 The results file (``loadtest/results/gpu-<device>.json`` or ``--out``) is rewritten after every
 step, so a run cut short still holds what it measured. It records the host (GPU, driver, CUDA
-of torch, the cuBLAS file the service actually mapped, CTranslate2 and torch versions) and:
+of torch, the cuBLAS file the service actually mapped, CTranslate2 and torch versions) and, in
+this order (``--only`` / ``--skip`` choose):
 
 1. the service (``python -m app``, its own warm-up and sizing, quoted from ``/readyz``), driven
-   over HTTP with the corpus (``--corpus``, every clip posted at once, ``--concurrency`` in
-   flight): ``corpus_detected`` (no language, as clients send), ``corpus_en``;
+   over HTTP with the corpus (every clip posted at once, ``--concurrency`` in flight):
+   ``corpus_detected`` (no language, as clients send), ``corpus_en``;
 2. ``forced_oom`` (GPU): a side process takes all but ``--oom-keep-gb`` of the free memory,
    the long upload and the corpus run into real out-of-memory errors, the side process lets
-   go, and a second round lets the cap grow back: OOM events, the cap's path, failed jobs,
-   ``/healthz``;
-3. ``long_alone``: one long upload (the corpus concatenated, ``--long-min`` minutes) on an idle
-   service: the batch sizes one job reaches against the sized cap;
-4. ``long_beside_short``: that upload and the corpus at once (latency of both, batch sizes);
-   ``saturate``: ``--saturate`` copies of it at once, each its own job: the service's rate
-   when the engine, not one upload's chunk-by-chunk prep, is the limit;
-5. ``bare_encode``, last, with the service stopped: CTranslate2's encoder alone (a child
-   process) at Whisper's 30 s and at 10 s, at several batch sizes (and, on GPU, with its flash
-   attention): the device's own rate and its allocator's peak; ``engine_limit``: the service's
-   engine on the corpus's own windows with no HTTP, prep or batcher (``loadtest.offline``).
+   go, and a second round lets the cap grow back;
+3. ``long_alone``: one long upload (``--long-min`` minutes, 60 on GPU) on an idle service;
+   ``long_beside_short``: that upload and the corpus at once;
+4. ``saturate``: ``--saturate`` copies of a ``--saturate-min`` upload (16 x 20 minutes on GPU)
+   at once, each its own job: py-spy samples the service's threads meanwhile, where installed;
+5. ``live_<N>`` for each of ``--live`` (64, 256 on GPU): N OpenAI Realtime sessions at once,
+   corpus speech at real-time pace for ``--live-s`` seconds each: turn latency p50/p95/max,
+   utterances never finalised or never heard (``every_turn_completed``);
+6. with the service stopped, each in a child process: ``bare_encode`` (CTranslate2's encoder
+   alone at 30 s and 10 s, and with flash attention on GPU); ``engine_limit`` (the service's
+   engine on the corpus's windows), ``engine_limit_saturate`` and ``engine_limit_long`` (on
+   the saturate step's windows, as many copies as it posted, and on the long upload's: the
+   engine-alone rates those steps are held to; each step then gets ``vs_engine_alone``);
+   ``peer``: faster-whisper's BatchedInferencePipeline on the saturate step's files, one after
+   another, batch 16 and its best batch, WER and throughput (loadtest/gpu_peer.py);
+   ``time_axes``: the corpus's WER on the 30 s and the dynamic axis on this device
+   (loadtest/dynamic_axis.py).
 
-Per step: failures, WER (read speech and the rest), throughput (audio s / wall s), latency
-(p50, p95, max, from the moment each request was posted), mean batch size and distribution, GPU
-utilisation and peak memory (NVML sampled every 0.2 s; the CUDA pool, CTranslate2's
-allocator, from the service's metrics; on CPU the server's peak RSS).
+Per traffic step: failures, WER (read speech and the rest; ``wer_long_percent`` for the long
+uploads, whose references are their clips'), throughput (audio s / wall s), latency (p50, p95,
+max, from the moment each request was posted), batch sizes (``mean_batch``), GPU utilisation
+(NVML every 0.2 s: ``gpu_busy_percent`` of the samples) and peak memory.
 """
 
 from __future__ import annotations
@@ -40,30 +48,64 @@ import os
 import subprocess
 import sys
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import httpx
 
 from loadtest.common import DEFAULT_CORPUS, ROOT, Clip, load_corpus, machine_info, select_clips
-from loadtest.gpu_watch import MetricsSampler, NvmlSampler, VramHog
-from loadtest.probes import counter_delta, histogram_delta
-from loadtest.scoring import latency_summary, normaliser_name, wer_by_group
-from loadtest.service import Client, Result, Server, all_at_once, write_long_wav
+from loadtest.gpu_steps import (
+    bare_encode,
+    corpus,
+    engine_alone,
+    live_sessions,
+    long_and,
+    many_long,
+    measured,
+    peer,
+    time_axes,
+    write_upload,
+)
+from loadtest.gpu_watch import VramHog
+from loadtest.scoring import normaliser_name
+from loadtest.service import Server
+
+STEPS = ("corpus_detected", "corpus_en", "forced_oom", "long_alone", "long_beside_short",
+         "saturate", "live", "bare_encode", "engine_limit", "engine_limit_saturate",
+         "engine_limit_long", "peer", "time_axes")
 
 
 class Report:
-    def __init__(self, path: Path, head: dict[str, Any]) -> None:
-        self.path, self.data, self.t0 = path, head, time.monotonic()
+    """The results file, rewritten after every step (and copied to ``mirror``). ``resume``:
+    an earlier call's file is kept and this call's steps are added to it (a lent GPU runs
+    at most 10 minutes a command: the run goes on over two calls on the same warm machine)."""
+
+    def __init__(self, path: Path, head: dict[str, Any], steps: set[str],
+                 mirror: Path | None = None, resume: bool = False) -> None:
+        earlier = json.loads(path.read_text()) if resume and path.is_file() else {}
+        self.path, self.mirror, self.t0 = path, mirror, time.monotonic()
+        self.data = {**earlier, **head}
+        if earlier:
+            self.data["earlier_calls"] = [*earlier.get("earlier_calls", []),
+                                          {k: earlier.get(k) for k in ("command", "minutes")}]
+        self.steps = steps
         self.save()
+
+    def wanted(self, name: str) -> bool:
+        return name in self.steps or (name.startswith("live_") and "live" in self.steps)
 
     def save(self) -> None:
         self.data["minutes"] = round((time.monotonic() - self.t0) / 60, 2)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(json.dumps(self.data, indent=1, default=str) + "\n")
+        text = json.dumps(self.data, indent=1, default=str) + "\n"
+        for path in (self.path, self.mirror):
+            if path is not None:
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(text)
 
     def step(self, name: str, fn: Callable[[], Any]) -> Any:
+        if not self.wanted(name):
+            return None
         print(f"gpu-check: {name} ...", flush=True)
         t = time.monotonic()
         try:
@@ -81,8 +123,10 @@ class Report:
 def brief(v: Any) -> str:
     if not isinstance(v, dict):
         return str(v)[:300]
-    keys = ("error", "throughput_x", "failed", "wer_read_percent", "batch_size", "oom_events",
-            "gpu", "cap_min", "cap_max", "healthz")
+    keys = ("error", "throughput_x", "failed", "wer_read_percent", "wer_long_percent",
+            "mean_batch", "gpu_busy_percent", "vs_engine_alone", "best_throughput_x",
+            "oom_events", "cap_min", "cap_max", "healthz", "turn_latency",
+            "every_turn_completed", "best_batch", "wer_all_percent")
     return json.dumps({k: v[k] for k in keys if k in v}, default=str)[:600]
 
 
@@ -115,79 +159,6 @@ def mapped_libraries(pid: int) -> list[str]:
     return sorted(n for n in names if any(k in n for k in ("cublas", "cudart", "ctranslate2")))
 
 
-# ---- one step's traffic ----------------------------------------------------------------------
-async def measured(srv: Server, clips: list[Clip], language: str | None,
-                   traffic: Callable[[Client], Awaitable[list[Result]]]) -> dict[str, Any]:
-    client = Client(srv.url, clips, language)
-    try:
-        before = await client.metrics()
-        t0 = time.monotonic()
-        with NvmlSampler() as nvml:
-            async with MetricsSampler(client) as gauges:
-                results = await traffic(client)
-        wall = time.monotonic() - t0
-        after = await client.metrics()
-    finally:
-        await client.close()
-    ok = [r for r in results if r.ok]
-    short = [r for r in ok if r.clip.set != "long"]
-    audio = sum(r.clip.duration_s for r in ok)
-    wer = (wer_by_group([r.clip for r in short], {r.clip.id: r.text or "" for r in short})
-           if short else {})
-    return {
-        "requests": len(results), "ok": len(ok), "failed": len(results) - len(ok),
-        "errors": sorted({r.error or "" for r in results if not r.ok})[:5],
-        "wall_s": round(wall, 2), "audio_s": round(audio, 1),
-        "throughput_x": round(audio / wall, 1) if wall else None,
-        "wer_read_percent": wer.get("read_speech", {}).get("wer_percent"), "wer": wer,
-        "latency_short": latency_summary([r.latency for r in short]),
-        "latency_long": [round(r.latency, 2) for r in ok if r.clip.set == "long"],
-        "batch_size": histogram_delta(before, after, "batchscribe_batch_size_windows"),
-        "oom_events": counter_delta(before, after, "batchscribe_oom_events_total"),
-        "cap_after": after.get(("batchscribe_batch_cap_windows", "")),
-        **gauges.summary(), "gpu": nvml.summary(), "server_peak_rss_mb": srv.peak_rss_mb(),
-    }
-
-
-def corpus(clips: list[Clip], concurrency: int) -> Callable[[Client], Awaitable[list[Result]]]:
-    return lambda client: all_at_once(client, clips, concurrency)
-
-
-def long_and(long: Clip, clips: list[Clip],
-             concurrency: int) -> Callable[[Client], Awaitable[list[Result]]]:
-    async def run(client: Client) -> list[Result]:
-        client.blobs[long.id] = Path(long.path).read_bytes()
-        first = asyncio.create_task(client.transcribe(long))
-        await asyncio.sleep(1.0)  # the long upload's windows are queued first
-        rest = await all_at_once(client, clips, concurrency) if clips else []
-        return [await first, *rest]
-    return run
-
-
-def many_long(long: Clip, n: int) -> Callable[[Client], Awaitable[list[Result]]]:
-    """``n`` copies of a long upload at once: prep runs on as many threads, so the engine,
-    not one job's chunk-by-chunk prep, should be what limits (each copy is its own job). A
-    429 (the backlog limit) is retried after its ``retry_after_s``, as a client would."""
-    async def one(client: Client, clip: Clip) -> Result:
-        while True:
-            r = await client.transcribe(clip)
-            if r.status != 429:
-                return r
-            try:
-                wait = float(json.loads(r.error or "{}")["error"]["retry_after_s"])
-            except (ValueError, KeyError, TypeError):
-                wait = 1.0
-            await asyncio.sleep(wait)
-
-    async def run(client: Client) -> list[Result]:
-        blob = Path(long.path).read_bytes()
-        copies = [Clip(f"long-{k}", long.path, long.duration_s, "", "long") for k in range(n)]
-        for c in copies:
-            client.blobs[c.id] = blob
-        return list(await asyncio.gather(*(one(client, c) for c in copies)))
-    return run
-
-
 def profiled(srv: Server, out: Path, seconds: float) -> subprocess.Popen[bytes] | None:
     """py-spy sampling the service's threads (collapsed stacks, GIL holders marked), if there."""
     import shutil
@@ -201,24 +172,6 @@ def profiled(srv: Server, out: Path, seconds: float) -> subprocess.Popen[bytes] 
                              str(int(seconds)), "--rate", "50", "--format", "raw", "--threads",
                              "--nonblocking", "--output", str(out)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
-
-
-def engine_limit(args: argparse.Namespace, clips: list[Clip], compute_type: str) -> dict[str, Any]:
-    """The engine alone on the service's own windows (``loadtest.offline engine``): no HTTP,
-    prep or batcher, so the gap to the service's rate is the rest of the pipeline."""
-    from loadtest.common import save_clips
-
-    path = args.work / "clips.json"
-    save_clips(clips, path)
-    out = args.work / "engine.json"
-    cmd = [sys.executable, "-m", "loadtest.offline", "engine", "--clips", str(path), "--model",
-           args.model_dir, "--device", args.device, "--compute-type", compute_type, "--language",
-           "en", "--batches", "8,32,128" if args.device == "cuda" else "8", "--min-seconds",
-           "3", "--time-axis", "full" if args.device == "cuda" else "dynamic", "--out", str(out)]
-    got = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-    if not out.exists():
-        return {"error": f"exit {got.returncode}: {got.stderr[-1500:]}"}
-    return dict(json.loads(out.read_text()))
 
 
 def forced_oom(srv: Server, clips: list[Clip], long: Clip, args: argparse.Namespace) -> dict[str, Any]:
@@ -243,26 +196,7 @@ def forced_oom(srv: Server, clips: list[Clip], long: Clip, args: argparse.Namesp
 
 
 # ---- the run -----------------------------------------------------------------------------------
-def bare_encode(args: argparse.Namespace, compute_type: str) -> dict[str, Any]:
-    """The encoder alone; on GPU once more with CTranslate2's flash attention (64 windows)."""
-    gpu = args.device == "cuda"
-    batches = args.bare_batches or ("1,16,64,128" if gpu else "1,4")
-    runs: list[tuple[str, list[str]]] = [("default", ["--batches", batches])]
-    if gpu:
-        runs.append(("flash_attention", ["--batches", "64", "--flash-attention"]))
-    out: dict[str, Any] = {}
-    for name, extra in runs:
-        cmd = [sys.executable, "-m", "loadtest.gpu_bare", "--model", args.model_dir, "--device",
-               args.device, "--compute-type", compute_type, "--corpus", str(args.corpus),
-               "--reps", "5" if gpu else "2", *extra]
-        got = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=ROOT)
-        line = [x for x in got.stdout.splitlines() if x.startswith("RESULT ")]
-        out[name] = (json.loads(line[0][7:]) if line
-                     else {"error": f"exit {got.returncode}: {got.stderr[-1500:]}"})
-    return out
-
-
-def main(argv: list[str] | None = None) -> int:
+def parse(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--device", choices=("cuda", "cpu"), default="cuda")
     ap.add_argument("--model", default="whisper-base",
@@ -281,27 +215,113 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--saturate-min", type=float, default=None,
                     help="that upload's minutes (default: 20 on GPU, 2 on CPU; the service "
                          "queues at most max_backlog_s of audio, 6 h by default)")
+    ap.add_argument("--live", default=None,
+                    help="concurrent Realtime sessions per live step (default: 64,256 on GPU, "
+                         "4 on CPU)")
+    ap.add_argument("--live-s", type=float, default=None,
+                    help="seconds of speech per live session (default: 30 on GPU, 15 on CPU)")
+    ap.add_argument("--time-axis", choices=("auto", "dynamic", "full"), default="auto",
+                    help="BATCHSCRIBE_MODEL__TIME_AXIS of the service and the engine limits")
     ap.add_argument("--bare-batches", default=None)
+    ap.add_argument("--engine-batches", default=None,
+                    help="the engine limits' batch sizes (default: 8,32,128 on GPU, 8 on CPU)")
+    ap.add_argument("--peer-sweep", default=None,
+                    help="the peer's batch sizes tried (default: 8,16,32,64 on GPU, 4,8 on CPU)")
+    ap.add_argument("--tiny", action="store_true",
+                    help="small numbers (8 clips, 1-minute uploads, 2 copies, 2 live sessions "
+                         "of 8 s): every step end to end in a few minutes, e.g. on CPU")
+    ap.add_argument("--only", default=None, help=f"comma-separated steps, of {', '.join(STEPS)}")
+    ap.add_argument("--skip", default="", help="comma-separated steps to leave out")
     ap.add_argument("--start-timeout", type=float, default=600.0)
     ap.add_argument("--work", type=Path, default=Path("/tmp/batchscribe-gpu-check"))
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--mirror", type=Path, default=None, help="a copy of the results file")
+    ap.add_argument("--resume", action="store_true",
+                    help="add this call's steps to an existing --out file")
     args = ap.parse_args(argv)
+    gpu = args.device == "cuda"
+    tiny = args.tiny
+    args.clips = args.clips or (8 if tiny else None)
+    args.long_min = args.long_min or (1.0 if tiny else 60.0 if gpu else 5.0)
+    args.saturate = args.saturate or (2 if tiny or not gpu else 16)
+    args.saturate_min = args.saturate_min or (1.0 if tiny else 20.0 if gpu else 2.0)
+    args.live = [int(x) for x in (args.live or ("2" if tiny else "64,256" if gpu else "4"))
+                 .split(",")]
+    args.live_s = args.live_s or (8.0 if tiny else 30.0 if gpu else 15.0)
+    args.peer_sweep = args.peer_sweep or ("8,16,32,64" if gpu else "4,8")
+    if tiny and not args.bare_batches:
+        args.bare_batches = "1,2"
+    steps = set(args.only.split(",") if args.only else STEPS) - set(args.skip.split(","))
+    if unknown := steps - set(STEPS):
+        ap.error(f"unknown steps {sorted(unknown)}")
+    args.steps = steps
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse(argv)
+    from app.config import ModelSettings
+    from app.engine.whisper import time_axis
     from loadtest.common import resolve_model
 
     args.model_dir = resolve_model(args.model)
+    args.time_axis = time_axis(ModelSettings(time_axis=args.time_axis), args.device)
     out_path = args.out or ROOT / "loadtest" / "results" / f"gpu-{args.device}.json"
     clips = select_clips(load_corpus(args.corpus), args.clips)
     report = Report(out_path, {
         "command": "scripts/gpu-check " + " ".join(sys.argv[1:] if argv is None else argv),
-        "device": args.device, "model": args.model, "host": host_info(args.device),
-        "clips": len(clips), "audio_s": round(sum(c.duration_s for c in clips), 1),
-        "concurrency": args.concurrency, "normaliser": normaliser_name()})
-    minutes = args.long_min or (60.0 if args.device == "cuda" else 5.0)
-    long_path = args.work / "long.wav"
+        "device": args.device, "model": args.model, "time_axis": args.time_axis,
+        "host": host_info(args.device), "clips": len(clips),
+        "audio_s": round(sum(c.duration_s for c in clips), 1), "steps": sorted(args.steps),
+        "concurrency": args.concurrency, "normaliser": normaliser_name()}, args.steps,
+        args.mirror, args.resume)
     args.work.mkdir(parents=True, exist_ok=True)
-    long = Clip("long", str(long_path), write_long_wav(clips, long_path, minutes * 60), "", "long")
+    long = write_upload(clips, args.work / "long.wav", args.long_min)
+    part = write_upload(clips, args.work / "part.wav", args.saturate_min, name="part")
+    with_service = {"corpus_detected", "corpus_en", "forced_oom", "long_alone",
+                    "long_beside_short", "saturate", "live"}
+    if args.steps & with_service:
+        serve(args, report, clips, long, part, out_path)
+    compute_type = report.data.get("service", {}).get("readyz", {}).get("compute_type") or (
+        "float16" if args.device == "cuda" else "int8")
+    report.step("bare_encode", lambda: bare_encode(args, compute_type))
+    report.step("engine_limit", lambda: engine_alone(args, clips, compute_type, "engine_limit"))
+    for name, step, upload, copies in (
+            ("engine_limit_saturate", "saturate", part, args.saturate),
+            ("engine_limit_long", "long_alone", long, 1)):
+        def limit(u: Clip = upload, n: int = copies, m: str = name) -> dict[str, Any]:
+            return engine_alone(args, [u], compute_type, m, repeat=n)
+
+        if report.step(name, limit) is not None:
+            held_to(report, step, name)
+    report.step("peer", lambda: peer(args, part, args.saturate, compute_type))
+    if isinstance(report.data.get("peer"), dict) and isinstance(report.data.get("saturate"), dict):
+        report.data["peer"]["service_saturate"] = {
+            k: report.data["saturate"].get(k) for k in ("throughput_x", "wer_long_percent")}
+        report.save()
+    report.step("time_axes", lambda: time_axes(args, compute_type))
+    print(f"gpu-check: wrote {out_path} ({report.data['minutes']} min)")
+    return 0
+
+
+def held_to(report: Report, step: str, limit: str) -> None:
+    """``vs_engine_alone``: the step's throughput over the engine's best on its windows."""
+    got, best = report.data.get(step), report.data.get(limit, {}).get("best_throughput_x")
+    if isinstance(got, dict) and got.get("throughput_x") and best:
+        got["vs_engine_alone"] = round(got["throughput_x"] / best, 3)
+        report.save()
+
+
+def serve(args: argparse.Namespace, report: Report, clips: list[Clip], long: Clip, part: Clip,
+          out_path: Path) -> None:
+    """The steps against the running service."""
+    most = max(args.live)
     env = {"BATCHSCRIBE_MODEL__DEVICE": args.device, "BATCHSCRIBE_MODEL__NAME": args.model,
-           "BATCHSCRIBE_STORAGE__DATA_DIR": str(args.work / "service")}
+           "BATCHSCRIBE_MODEL__TIME_AXIS": args.time_axis,
+           "BATCHSCRIBE_STORAGE__DATA_DIR": str(args.work / "service"),
+           # every session is one tenant here (no keys): the live caps must admit them all
+           "BATCHSCRIBE_LIVE__MAX_SESSIONS": str(max(32, most)),
+           "BATCHSCRIBE_LIVE__MAX_SESSIONS_PER_KEY": str(max(16, most))}
     t0 = time.monotonic()
     srv = Server(args.work / "service", env=env).start(timeout=args.start_timeout)
     try:
@@ -317,7 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                                                       corpus(clips, args.concurrency))))
         if args.device == "cuda":
             report.step("forced_oom", lambda: forced_oom(srv, clips, long, args))
-        else:
+        elif "forced_oom" in args.steps:
             report.data["forced_oom"] = {"skipped": "no device memory to take on CPU; the OOM "
                                          "backoff is tested there by fault injection "
                                          "(tests/test_gpu_service.py)"}
@@ -325,25 +345,21 @@ def main(argv: list[str] | None = None) -> int:
                                                        long_and(long, [], args.concurrency))))
         report.step("long_beside_short", lambda: run(measured(
             srv, clips, None, long_and(long, clips, args.concurrency))))
-        copies = args.saturate or (16 if args.device == "cuda" else 2)
-        minutes = args.saturate_min or (20.0 if args.device == "cuda" else 2.0)
-        part = Clip("part", str(args.work / "part.wav"),
-                    write_long_wav(clips, args.work / "part.wav", minutes * 60), "", "long")
-        spy = profiled(srv, out_path.with_name(out_path.stem + "-profile.txt"), 15)
-        report.step("saturate", lambda: run(measured(srv, clips, None, many_long(part, copies))))
+        spy = (profiled(srv, out_path.with_name(out_path.stem + "-profile.txt"), 15)
+               if "saturate" in args.steps else None)
+        report.step("saturate", lambda: run(measured(srv, clips, None,
+                                                     many_long(part, args.saturate))))
         if spy is not None:
             spy.wait(60)
+        for n in args.live:
+            def live(n: int = n) -> dict[str, Any]:
+                return run(live_sessions(srv, clips, n, args.live_s))
+
+            report.step(f"live_{n}", live)
     finally:
         srv.stop()
         report.data["server_log_tail"] = srv.log_tail(3000)
         report.save()
-    # Last, on the device alone: the service's memory is back before the encoder is timed.
-    compute_type = report.data.get("service", {}).get("readyz", {}).get("compute_type") or (
-        "float16" if args.device == "cuda" else "int8")
-    report.step("bare_encode", lambda: bare_encode(args, compute_type))
-    report.step("engine_limit", lambda: engine_limit(args, clips, compute_type))
-    print(f"gpu-check: wrote {out_path} ({report.data['minutes']} min)")
-    return 0
 
 
 if __name__ == "__main__":

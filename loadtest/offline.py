@@ -22,6 +22,7 @@ import queue
 import threading
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -165,6 +166,10 @@ def cmd_engine(args: argparse.Namespace) -> dict[str, Any]:
     clips = read_clips(Path(args.clips))
     corpus_audio = audio_total(clips)
     windows = cut_corpus(clips, Path(args.cache) if args.cache else None)
+    if args.repeat > 1:  # copies of the same uploads (gpu-check's saturate step: one cut)
+        windows = [ClipWindow(f"{cw.clip_id}#{r}", cw.index, replace(cw.window))
+                   for r in range(args.repeat) for cw in windows]
+        corpus_audio *= args.repeat
     window_audio = sum(w.window.duration for w in windows)
     opts = DecodeOptions(beam_size=args.beam_size)
     settings = ModelSettings(device=args.device, compute_type=args.compute_type,
@@ -262,6 +267,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--min-seconds", type=float, default=0.0,
                    help="repeat whole passes over the windows until this long")
     e.add_argument("--cache", default="", help="folder for the cut-windows cache")
+    e.add_argument("--repeat", type=int, default=1,
+                   help="each clip's windows this many times (copies of one upload)")
     e.add_argument("--texts", action="store_true", help="keep per-clip transcripts (for WER)")
     e.add_argument("--sequential-texts", action="store_true",
                    help="also transcribe every window alone (batch 1), untimed, for WER")
