@@ -18,8 +18,9 @@ import pytest
 from app.audio import prepare
 from app.audio.vad import SileroVad
 from app.config import ModelSettings, Settings
+from app.engine.decoder import Fallback, fallback_for
 from app.engine.whisper import WhisperEngine
-from app.windows import TOKEN_SLACK, DecodeOptions, Prompt, Window
+from app.windows import TOKEN_SLACK, DecodeOptions, Prompt, Window, WindowResult
 from models.registry import resolve
 from tests.conftest import READ_SPEECH, Clip
 
@@ -146,3 +147,35 @@ def test_loop_penalties_that_cannot_break_a_loop_are_refused(
     assert Settings().model.loop_penalties == [1.1, 1.3]
     monkeypatch.setenv("BATCHSCRIBE_MODEL__LOOP_PENALTIES", "[]")
     assert Settings().model.loop_penalties == []
+
+
+def result(compression: float = 1.5, logprob: float = -0.3, no_speech: float = 0.1,
+           doubtful: bool = False) -> WindowResult:
+    return WindowResult(text="x", language="en", language_probability=None, avg_logprob=logprob,
+                        no_speech_prob=no_speech, compression_ratio=compression,
+                        doubtful=doubtful)
+
+
+@pytest.mark.parametrize("r, beam, temperature, below, want", [
+    (result(), 1, 0.0, True, None),  # sure: nothing, on either side of the final length
+    (result(), 1, 0.0, False, None),
+    (result(compression=3.0), 1, 0.0, True, Fallback.AXIS),  # a loop below the final length
+    (result(logprob=-1.5), 5, 0.0, True, Fallback.AXIS),  # unsure, whatever its beam
+    (result(logprob=-1.5, no_speech=0.9), 1, 0.0, True, None),  # silence, not unsure speech
+    (result(compression=3.0), 1, 0.0, False, Fallback.UNLOOP),
+    (result(compression=3.0, logprob=-1.5), 1, 0.0, False, Fallback.UNLOOP),  # a loop first
+    (result(logprob=-1.5), 1, 0.0, False, Fallback.WIDEN),
+    (result(logprob=-1.5), 5, 0.0, False, None),  # already at unsure_beam_size
+    (result(compression=3.0), 1, 0.4, False, None),  # sampling takes no fallback at its length
+    (result(compression=3.0), 1, 0.4, True, Fallback.AXIS),  # ... but goes to 30 s below it
+    (result(compression=3.0, doubtful=True), 1, 0.0, True, None),  # its caller decodes again
+])
+def test_the_one_fallback_rule(r: WindowResult, beam: int, temperature: float, below: bool,
+                               want: Fallback | None) -> None:
+    """What a decode asks for next (app/engine/decoder.py): the rule the engine runs inside a
+    decode and marks ``redo`` by, unit-tested without the model."""
+    assert fallback_for(r, beam, temperature, below, wide=5, penalties=(1.1, 1.3)) is want
+
+
+def test_no_penalties_leave_a_loop_as_it_is() -> None:
+    assert fallback_for(result(compression=3.0), 1, 0.0, False, wide=5, penalties=()) is None
