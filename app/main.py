@@ -13,8 +13,7 @@ import json
 import logging
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
-from functools import partial
-from typing import Any, cast
+from typing import Any
 
 from fastapi import FastAPI
 
@@ -22,47 +21,22 @@ from app.api import asr, docs, events, health, jobs, openai, realtime, transcrib
 from app.api import webhooks as hooks
 from app.api.json_form import describe_json_bodies
 from app.api.middleware import install_middleware
-from app.audio.vad import make_vad
-from app.batching.batcher import Batcher
-from app.batching.stages import Stages
 from app.config import Settings
-from app.engine import StagedEngine
-from app.engine.device import DeviceMonitor, resolve_device
 from app.engine.loading import REFUSALS, load_whisper
-from app.engine.placement import EnginePool, make_pool
-from app.engine.sizing import resolve_batcher
-from app.engine.startup import EngineFactory, start_engines
-from app.engine.whisper import size_class
+from app.engine.startup import EngineFactory
 from app.errors import ServiceError, install_error_handlers
 from app.jobs.blobs import make_blobs
 from app.jobs.core import Core
 from app.jobs.door import Door
-from app.jobs.prep import prep_threads
+from app.jobs.pipeline import build
 from app.jobs.runner import JobRunner
 from app.jobs.store import JobStore, StoreInUse, lock_sqlite
 from app.jobs.webhooks import WebhookDispatcher
 from app.metrics import Metrics
 from app.net.outbound import OutboundGuard
-from app.speakers.service import SpeakerService
 
 log = logging.getLogger("batchscribe")
 __all__ = ["create_app", "load_whisper", "setup_logging"]
-
-
-def held_mb(monitor: DeviceMonitor) -> float:
-    """Memory this process holds now (RSS on CPU, its VRAM on GPU): the budget's baseline."""
-    return sum(r.used_bytes if r.process_bytes is None else r.process_bytes
-               for r in monitor.read()) / 2**20
-
-
-def stages(settings: Settings, pool: EnginePool) -> Stages | None:
-    """The encoder and decoder as separate batcher stages, where the engines allow it (CPU)."""
-    if not (settings.batcher.split_stages and pool.staged):
-        return None
-    engine = cast(StagedEngine, pool.engine)
-    # The decoder leaves Whisper's fallbacks to calls of their own (app/batching/urgency.py).
-    return Stages(pool.encode, partial(pool.decode, redo=False), engine.padded_samples,
-                  redo=pool.redo)
 
 
 def create_app(settings: Settings | None = None,
@@ -86,31 +60,21 @@ def create_app(settings: Settings | None = None,
     @asynccontextmanager
     async def running(app: FastAPI) -> AsyncIterator[None]:
         metrics = Metrics()
-        monitor = await asyncio.to_thread(DeviceMonitor, resolve_device(settings.model.device))
         try:  # a GPU that fails its load or warm-up is left out (app/engine/startup.py)
-            started = await start_engines(settings, engine_factory, monitor)
+            pipeline = await build(settings, engine_factory, metrics)
         except REFUSALS as exc:
             QuietRefusal.refused = True  # uvicorn's copy of the traceback is dropped
             log.critical("cannot start: %s", exc)
             raise
-        engines, sizings = started.engines, started.sizings
-        engine = engines[0]  # model, device and compute type are the same on every engine
-        device = engine.info.device if engine.info.device != "auto" else resolve_device("auto")
-        vad_kind = settings.model.vad
-        if vad_kind == "auto":  # Silero runs on the prep threads' CPU, one per prep thread
-            vad_kind = "silero"
-        vad = await asyncio.to_thread(make_vad, vad_kind, device, settings.prep.speech_pad_s)
-        metrics.model_info.info({"model": engine.info.model, "device": engine.info.device,
-                                 "compute_type": engine.info.compute_type, "vad": vad_kind,
-                                 "workers": str(engine.info.num_workers),
-                                 "speakers": settings.speakers.load})
-        # Speaker diarization: loaded on the first diarize job unless speakers.load says.
-        speakers = SpeakerService(settings.speakers, settings.model.cache_dir)
-        try:
-            await speakers.start()
-        except ServiceError as exc:
+        except ServiceError as exc:  # speaker models asked for at start-up failed to load
             log.critical("cannot start: %s", exc.message)
             raise
+        engine = pipeline.engine
+        metrics.model_info.info({"model": engine.info.model, "device": engine.info.device,
+                                 "compute_type": engine.info.compute_type,
+                                 "vad": pipeline.vad_kind,
+                                 "workers": str(engine.info.num_workers),
+                                 "speakers": settings.speakers.load})
         store = JobStore(settings.database_url(), min_job_s=settings.min_job_s(),
                          fair=bool(settings.security.api_key_sha256))
         settings.storage.data_dir.mkdir(parents=True, exist_ok=True)
@@ -118,31 +82,14 @@ def create_app(settings: Settings | None = None,
         spool = blobs.spool_dir
         spool.mkdir(parents=True, exist_ok=True)
         await store.init()
-        # One engine per GPU, least loaded first; those that did not start are only reported.
-        runner_engine = make_pool(engines, settings, started.failed)
-        if device != monitor.device:  # an injected engine on another device (tests)
-            monitor = await asyncio.to_thread(DeviceMonitor, device)
-        # GPU: the cap the warm-up measured per engine (the smallest); CPU: as configured.
-        batcher_settings = resolve_batcher(settings.batcher, sizings)
-        batcher = Batcher(runner_engine.run, batcher_settings, runner_engine.workers, metrics,
-                          size_class=size_class(settings.model, device),
-                          base_memory_mb=held_mb(monitor) if device == "cpu" else 0.0,
-                          stages=stages(settings, runner_engine),
-                          padded=getattr(engine, "padded_samples", None))
-        restore = getattr(batcher, "restore_slots", None)
-        if restore is not None:  # retire an engine's slots only if they can come back
-            runner_engine.on_remove, runner_engine.on_restore = batcher.retire_slots, restore
-        runner = JobRunner(settings, store, batcher, vad, metrics, blobs=blobs,
-                           prep_workers=prep_threads(settings.prep.workers, len(engines)),
-                           speakers=speakers)
+        batcher = pipeline.batcher
+        runner = JobRunner(settings, store, batcher, pipeline.vad, metrics, pipeline.prep,
+                           blobs=blobs, speakers=pipeline.speakers)
         outbound = OutboundGuard(settings.outbound)
-        sizing = {"engines": [z.as_dict() for z in sizings],
-                  "max_batch_size": batcher_settings.max_batch_size,
-                  "max_batch_beams": batcher_settings.max_batch_beams}
-        if sizings:
-            log.info("batch sizing", extra=sizing)
-        core = Core(settings, metrics, store, runner, batcher, runner_engine, monitor, outbound,
-                    sizing)
+        if pipeline.sizings:
+            log.info("batch sizing", extra=pipeline.sizing())
+        core = Core(settings, metrics, store, runner, pipeline, outbound, blobs,
+                    pipeline.live_hall(store, outbound, runner.ended_elsewhere))
         door: Door = core  # what the routers and middleware see (mypy checks Core is a Door)
         app.state.door = door
         # Webhooks only with a signing secret; pending deliveries of earlier runs resume here.
@@ -163,7 +110,7 @@ def create_app(settings: Settings | None = None,
         # Called from the SIGTERM handler (see __main__): uvicorn runs the lifespan shutdown only
         # after open requests end, and an open ?wait=true request ends when the drain does.
         app.state.begin_shutdown = lambda: loop.call_soon_threadsafe(drain)
-        batcher.start()
+        pipeline.start()
         await runner.start()
         if webhooks is not None:
             webhooks.start()
@@ -174,18 +121,17 @@ def create_app(settings: Settings | None = None,
         gc.freeze()
         core.ready = True
         log.info("ready", extra={"model": engine.info.model, "device": engine.info.device,
-                                 "workers": engine.info.num_workers, "vad": vad_kind})
+                                 "workers": engine.info.num_workers, "vad": pipeline.vad_kind})
         try:
             yield
         finally:
             await drain()
             await core.stop_fetches()  # downloads in flight: their jobs fail (submit again)
-            await speakers.stop()  # after the drain: no job feeds a speaker stream any more
             if webhooks is not None:
                 await webhooks.stop()
             await outbound.aclose()
             core.close()
-            await asyncio.to_thread(runner_engine.close)
+            await pipeline.close()  # after the drain: the speaker models, then the engines
             await store.close()
             log.info("stopped")
 

@@ -247,10 +247,10 @@ def test_a_diarize_job_names_its_segments_and_reports_its_speaker_time(
             return 0
 
     fake = FakeEngine()
-    import app.main as main_mod
+    import app.jobs.pipeline as builder
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(main_mod, "make_vad", lambda kind, device, pad_s: TurnsVad())
+    mp.setattr(builder, "make_vad", lambda kind, device, pad_s: TurnsVad())
     try:
         with serve(create_app(fake_settings(tmp_path), engine_factory=lambda s: fake)) as url, \
                 httpx.Client(base_url=url, timeout=60) as client:

@@ -15,8 +15,9 @@ import pytest
 
 from app.batching.batcher import Batcher
 from app.config import Settings, StorageSettings
-from app.engine.placement import EngineRunner
+from app.engine.placement import make_pool
 from app.jobs.blobs import LocalBlobs
+from app.jobs.pipeline import make_batcher, make_prep
 from app.jobs.runner import JobRunner
 from app.jobs.store import JobRow, JobStore
 from app.metrics import Metrics
@@ -97,8 +98,13 @@ class Rig:
         self.tmp, self.store, self.blobs = tmp, store, blobs
         settings = Settings(storage=StorageSettings(data_dir=tmp))
         self.fake = FakeEngine()
-        self.batcher = SignallingBatcher(EngineRunner(self.fake).run, settings.batcher, 1, Metrics())
-        self.runner = JobRunner(settings, store, self.batcher, WholeClip(), Metrics(), blobs=blobs)
+        # The builder's parts, with a fake engine and VAD and a batcher that says when it stops.
+        pool = make_pool([self.fake], settings)
+        batcher = make_batcher(settings, pool, Metrics(), cls=SignallingBatcher)
+        assert isinstance(batcher, SignallingBatcher)
+        self.batcher = batcher
+        self.runner = JobRunner(settings, store, self.batcher, WholeClip(), Metrics(),
+                                make_prep(settings), blobs=blobs)
 
     async def submit(self, job_id: str, clip: Clip) -> None:
         upload = self.tmp / job_id

@@ -1,9 +1,9 @@
 """The service's pipeline in one process, without HTTP or a job store: what a Ray actor holds.
 
-Built as ``app.main`` builds the service (engines loaded and warmed up, which on a GPU measures
-the batch cap: app/engine/sizing.py; the VAD; the engine pool; the cross-request batcher with
-its two CPU stages, duration-aware grouping, dynamic time axis and OOM backoff; the prep pool;
-the speaker service), and every row runs as one job through the service's own
+Built by the service's own builder (app/jobs/pipeline.py: engines loaded and warmed up, which
+on a GPU measures the batch cap; the VAD; the engine pool; the cross-request batcher with its
+two CPU stages, duration-aware grouping, dynamic time axis and OOM backoff; the prep pool; the
+speaker service), and every row runs as one job through the service's own
 :class:`app.jobs.work.JobWork`: probe, decode and VAD-cut a chunk at a time on the prep threads,
 windows handed to the batcher as they are cut, language detected inside the batch, the
 transcript assembled by :func:`app.results.transcript.transcript` (speakers assigned when
@@ -35,20 +35,15 @@ from pathlib import Path
 from typing import Any, TypeVar, cast
 
 from app.audio.media import probe
-from app.audio.vad import Vad, make_vad
+from app.audio.vad import Vad
 from app.batching.batcher import Batcher
-from app.batching.stages import Stages
 from app.config import Settings
-from app.engine import StagedEngine
-from app.engine.device import DeviceMonitor, resolve_device
 from app.engine.loading import load_whisper
-from app.engine.placement import EnginePool, make_pool
-from app.engine.sizing import resolve_batcher
-from app.engine.startup import EngineFactory, start_engines
-from app.engine.whisper import size_class
+from app.engine.startup import EngineFactory
 from app.errors import ServiceError, ShuttingDown
 from app.jobs.blobs import BlobStore
-from app.jobs.prep import PrepPool, prep_threads
+from app.jobs.pipeline import build
+from app.jobs.prep import PrepPool
 from app.jobs.store import JobRow, JobStore
 from app.jobs.work import Active, JobWork, Tools
 from app.metrics import Metrics
@@ -120,21 +115,6 @@ def tools(settings: Settings, prep: PrepPool, vad: Vad, batcher: Batcher,
                  batcher, speakers, started=_started, changed=_changed, progressed=_progressed)
 
 
-def held_mb(monitor: DeviceMonitor) -> float:
-    """As app.main's: memory this process holds now, the CPU memory budget's baseline."""
-    return sum(r.used_bytes if r.process_bytes is None else r.process_bytes
-               for r in monitor.read()) / 2**20
-
-
-def two_stages(settings: Settings, pool: EnginePool) -> Stages | None:
-    """As app.main's: encoder and decoder as separate batcher stages where the engine allows
-    (CPU; measured there: loadtest/results/stages.json)."""
-    if not (settings.batcher.split_stages and pool.staged):
-        return None
-    engine = cast(StagedEngine, pool.engine)
-    return Stages(pool.encode, pool.decode, engine.padded_samples)
-
-
 class LocalPipeline:
     """Load once (blocking: the model, its warm-up and, on a GPU, its batch sizing), then
     :meth:`submit` rows from any thread; :meth:`close` drains and frees the model."""
@@ -159,35 +139,19 @@ class LocalPipeline:
 
     async def _start(self, factory: EngineFactory) -> None:
         s = self.settings
-        monitor = await asyncio.to_thread(DeviceMonitor, resolve_device(s.model.device))
-        started = await start_engines(s, factory, monitor)
-        engine = started.engines[0]
-        device = engine.info.device if engine.info.device != "auto" else resolve_device("auto")
-        if device != monitor.device:  # an injected engine on another device (tests)
-            monitor = await asyncio.to_thread(DeviceMonitor, device)
-        vad_kind = "silero" if s.model.vad == "auto" else s.model.vad
-        self.vad = await asyncio.to_thread(make_vad, vad_kind, device, s.prep.speech_pad_s)
-        self.pool = make_pool(started.engines, s, started.failed)
-        batcher_settings = resolve_batcher(s.batcher, started.sizings)
-        self.batcher = Batcher(self.pool.run, batcher_settings, self.pool.workers, Metrics(),
-                               size_class=size_class(s.model, device),
-                               base_memory_mb=held_mb(monitor) if device == "cpu" else 0.0,
-                               stages=two_stages(s, self.pool),
-                               padded=getattr(engine, "padded_samples", None))
-        restore = getattr(self.batcher, "restore_slots", None)
-        if restore is not None:
-            self.pool.on_remove, self.pool.on_restore = self.batcher.retire_slots, restore
-        self.prep = PrepPool(prep_threads(s.prep.workers, len(started.engines)))
-        self.speakers = SpeakerService(s.speakers, s.model.cache_dir)
-        await self.speakers.start()
+        # The service's own builder: the same engines, stages, batcher, VAD, prep and speakers.
+        self.pipeline = p = await build(s, factory, Metrics())
+        self.vad, self.pool, self.batcher, self.prep, self.speakers = (
+            p.vad, p.pool, p.batcher, p.prep, p.speakers)
         self._tools = tools(s, self.prep, self.vad, self.batcher, self.speakers)
         self._admitted = asyncio.Semaphore(s.storage.max_active_jobs)
-        self.sizing = {"device": device, "compute_type": engine.info.compute_type,
-                       "engines": len(started.engines), "workers": self.pool.workers,
+        engine = p.engine
+        self.sizing = {"device": p.device, "compute_type": engine.info.compute_type,
+                       "engines": p.engines, "workers": self.pool.workers,
                        "prep_threads": self.prep.workers,
-                       "max_batch_size": batcher_settings.max_batch_size,
-                       "sized": [z.as_dict() for z in started.sizings]}
-        self.batcher.start()
+                       "max_batch_size": p.batcher_settings.max_batch_size,
+                       "sized": [z.as_dict() for z in p.sizings]}
+        p.start()
         gc.collect()
         gc.freeze()  # as the service does: the model's objects are skipped by every collection
         log.info("pipeline ready", extra=self.sizing)
@@ -248,8 +212,7 @@ class LocalPipeline:
     async def _stop(self, grace_s: float) -> None:
         self.prep.shutdown()
         await self.batcher.stop(grace_s)
-        await self.speakers.stop()
-        await asyncio.to_thread(self.pool.close)
+        await self.pipeline.close()
 
 
 def job_row(job: Job, audio_seconds: float) -> JobRow:

@@ -20,17 +20,16 @@ from typing import Any
 from prometheus_client import generate_latest
 
 from app.audio import server_vad
-from app.batching.batcher import Batcher
 from app.config import Settings
-from app.engine.device import DeviceMonitor
-from app.engine.placement import EnginePool
-from app.errors import NO_RETRY, BadRequest, DiarizationOff
+from app.errors import NO_RETRY, BadRequest
 from app.jobs.admission import Admission
+from app.jobs.blobs import BlobStore
 from app.jobs.door import Health, LiveCall, LiveEnd, Readiness, ServiceStatus, Upload
 from app.jobs.events import EventHub, Subscription
 from app.jobs.fetching import Fetches
 from app.jobs.intake import Intake
 from app.jobs.live import LiveHall
+from app.jobs.pipeline import Pipeline
 from app.jobs.runner import JobRunner
 from app.jobs.speed import Speed, Speedometer
 from app.jobs.store import JobRow, JobStore
@@ -52,27 +51,29 @@ class Core:
     """Implements :class:`app.jobs.door.Door`."""
 
     def __init__(self, settings: Settings, metrics: Metrics, store: JobStore, runner: JobRunner,
-                 batcher: Batcher, engines: EnginePool, monitor: DeviceMonitor,
-                 outbound: OutboundGuard, sizing: dict[str, Any] | None = None) -> None:
+                 pipeline: Pipeline, outbound: OutboundGuard, blobs: BlobStore,
+                 live: LiveHall) -> None:
+        """``pipeline``: what app/jobs/pipeline.py built (engines, batcher, VAD, speakers);
+        ``blobs``: where uploads go; ``live``: the live sessions' hall (built there too)."""
         self.settings = settings
         self.metrics = metrics
         self.ready = False  # set by the lifespan once warm; cleared when the drain begins
-        self.sizing = sizing  # the batch sizing the warm-up measured (GET /readyz)
+        self.sizing = pipeline.sizing()  # the batch sizing the warm-up measured (GET /readyz)
         self._store = store
         self._runner = runner
-        self._batcher = batcher
-        self._engines = engines
-        self._monitor = monitor
+        self._pipeline = pipeline
+        self._batcher = pipeline.batcher
+        self._engines = engines = pipeline.pool
+        self._monitor = pipeline.monitor
         self._speed = Speed(metrics, lambda: engines.workers)
         self._meter = Speedometer(metrics)
         self._admission = Admission(settings, store, runner.backlog, metrics,
                                     self._speed.retry_after_s)
         self._fetches = Fetches(settings, outbound, self._admission, runner.fetched,
                                 runner.fail_unqueued)
-        self._intake = Intake(settings, store, runner.blobs, outbound, self._admission,
+        self._intake = Intake(settings, store, blobs, outbound, self._admission,
                               runner.submit, self._fetches)
-        self._live = LiveHall(settings, metrics, store, batcher, runner.vad, outbound,
-                              self._job_ended)
+        self._live = live
         self._hub = EventHub(settings.limits.max_event_streams_per_key, self._read,
                              runner.watch, lambda: runner.stopped)
 
@@ -82,23 +83,19 @@ class Core:
 
     # ---- taking work ---------------------------------------------------------------------------
     def check_speakers(self) -> None:
-        speakers = self._runner.speakers
-        if speakers is None:
-            raise DiarizationOff("speaker diarization is not available on this service",
-                                 field="diarize")
-        speakers.check()  # off: 400; models that failed to load: 503
+        self._pipeline.speakers.check()  # off: 400; models that failed to load: 503
 
     def chunking(self, raw: str | None, fields: dict[str, str]) -> dict[str, float] | None:
         try:
             settings = server_vad.parse(raw, fields)
-            server_vad.vad_for(self._runner.vad, settings)  # a VAD that cannot take them: 400
+            server_vad.vad_for(self._pipeline.vad, settings)  # a VAD that cannot take them: 400
         except server_vad.InvalidChunking as exc:
             raise BadRequest(str(exc), field="chunking_strategy", headers=NO_RETRY) from exc
         return settings
 
     async def known_speakers(self, names: Sequence[str], clips: Sequence[bytes | str],
                              names_field: str, refs_field: str) -> list[dict[str, Any]]:
-        return await reference_voices(self._runner.speakers, names, clips, names_field,
+        return await reference_voices(self._pipeline.speakers, names, clips, names_field,
                                       refs_field)
 
     async def gate(self, owner: str | None) -> None:
@@ -185,11 +182,6 @@ class Core:
     def close(self) -> None:
         """After the drain: the live sessions' audio threads."""
         self._live.close()
-
-    def _job_ended(self, job_id: str, status: str) -> None:
-        """A job finished outside the runner (a kept live session): its end hooks (webhooks)."""
-        for hook in self._runner.on_end:
-            hook(job_id, status)
 
     # ---- the service ---------------------------------------------------------------------------
     async def backlog_s(self, max_age_s: float = 0.0) -> float:

@@ -27,7 +27,7 @@ from app.config import Settings
 from app.errors import ServiceError, ShuttingDown, TranscriptionFailed
 from app.jobs.admission import Backlog
 from app.jobs.blobs import BlobStore, drop_upload, make_blobs
-from app.jobs.prep import PrepPool, prep_threads
+from app.jobs.prep import PrepPool
 from app.jobs.store import TERMINAL, JobRow, JobStore
 from app.jobs.upkeep import Hooks, Upkeep
 from app.jobs.work import Active, JobWork, Outcome, Tools
@@ -44,9 +44,8 @@ RECHECK_S = 15.0  # a job run by another replica: how often a wait re-reads the 
 
 class JobRunner:
     def __init__(self, settings: Settings, store: JobStore, batcher: Batcher, vad: Vad,
-                 metrics: Metrics, replica: str | None = None,
-                 blobs: BlobStore | None = None, prep_workers: int | None = None,
-                 speakers: SpeakerService | None = None) -> None:
+                 metrics: Metrics, prep: PrepPool, replica: str | None = None,
+                 blobs: BlobStore | None = None, speakers: SpeakerService | None = None) -> None:
         self.settings = settings
         self.speakers = speakers  # diarize=true jobs (None: refused)
         self.store = store
@@ -57,7 +56,7 @@ class JobRunner:
         self.lease_s = settings.storage.lease_s
         self.blobs = blobs or make_blobs(settings.storage)
         self.active: dict[str, Active] = {}
-        self.prep = PrepPool(prep_workers or prep_threads(settings.prep.workers))
+        self.prep = prep  # app/jobs/pipeline.py makes it
         self._wake = asyncio.Event()
         self._done_events: dict[str, asyncio.Event] = {}
         # One event per subscriber (SSE), set on any change of the job: progress, status, end.
@@ -385,6 +384,12 @@ class JobRunner:
                                    self.settings.storage.result_ttl_s, error=error):
             self._job_ended(job.id, "failed", job)
             await drop_upload(self.blobs, job.upload_path)
+
+    def ended_elsewhere(self, job_id: str, status: str) -> None:
+        """A job that ended outside the runner (a live session kept as a job): its end hooks
+        (webhooks)."""
+        for hook in self.on_end:
+            hook(job_id, status)
 
     def _job_ended(self, job_id: str, status: str, job: JobRow) -> None:
         self.metrics.jobs_finished.labels(status).inc()
