@@ -2,7 +2,7 @@
 
 Started as the server's entry point (``python -c "import loadtest.batch_trace as t; t.main()"``
 with ``BATCHSCRIBE_BATCH_TRACE=<path>``): it wraps :meth:`Batcher.submit` and
-:meth:`Batcher._execute` (no service file changes) and writes one JSON line per call, stamped
+:meth:`Batcher._engine` (one engine call; no service file changes) and writes one JSON line per call, stamped
 with ``time.monotonic()`` (CLOCK_MONOTONIC: the same clock as the load generator's on this host,
 so a slow request is placed among the batches around it). A line per engine call names its
 stage, its windows (job, rank, padded samples, job size, when each was queued and encoded), and
@@ -32,11 +32,11 @@ def install(path: str) -> None:
     """Wrap the batcher's entry points; every line goes to ``path``."""
     global _out
     from app.batching.batcher import Batcher
-    from app.batching.stages import Item
+    from app.batching.owner import Call
     from app.windows import DecodeOptions, Window
 
     _out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's life
-    submit, execute = Batcher.submit, Batcher._execute
+    submit, engine = Batcher.submit, Batcher._engine
 
     def traced_submit(self: Batcher, job_id: str, windows: Sequence[Window],
                       options: DecodeOptions, **kw: Any) -> Any:
@@ -47,20 +47,21 @@ def install(path: str) -> None:
                 "padded": padded, "dur": [round(w.duration, 2) for w in windows]})
         return futures
 
-    async def traced_execute(self: Batcher, stage: str, key: DecodeOptions,
-                             items: list[Item]) -> None:
+    async def traced_engine(self: Batcher, call: Call) -> None:
         t0 = time.monotonic()
         try:
-            await execute(self, stage, key, items)  # type: ignore[arg-type]
+            await engine(self, call)
         finally:
-            _write({"ev": "call", "stage": stage, "t0": t0, "t1": time.monotonic(),
+            _write({"ev": "call", "stage": call.stage, "t0": t0, "t1": time.monotonic(),
+                    "bulk": call.bulk, "cost_s": call.cost_s,
                     "items": [{"job": i.job_id, "rank": i.rank, "padded": i.padded,
                                "job_windows": i.job_windows, "enq": i.enqueued,
-                               "pooled": i.pooled or None, "dur": round(i.window.duration, 2)}
-                              for i in items]})
+                               "pooled": i.pooled or None, "dur": round(i.window.duration, 2),
+                               "urgency": int(i.urgency)}
+                              for i in call.items]})
 
     Batcher.submit = traced_submit  # type: ignore[method-assign]
-    Batcher._execute = traced_execute  # type: ignore[method-assign,assignment]
+    Batcher._engine = traced_engine  # type: ignore[method-assign]
 
 
 def main() -> None:

@@ -72,7 +72,7 @@ async def test_cap_bounds_batches_and_fills_them(rig_factory: Callable[..., Rig]
     assert rig.sizes() == [1, 4, 4, 2]
 
 
-async def test_windows_with_different_options_never_share_a_batch(rig_factory) -> None:
+async def test_windows_with_different_options_never_share_a_batch(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(cap=8)
     blocker = await rig.block_first_batch()
     tr = DecodeOptions(task="translate")
@@ -119,7 +119,7 @@ async def test_similar_durations_batch_together(rig_factory: Callable[..., Rig])
     assert batches == [{0, 2, 4, 6}, {1, 3, 5, 7}]
 
 
-async def test_short_request_is_not_starved_by_a_long_job(rig_factory) -> None:
+async def test_short_request_is_not_starved_by_a_long_job(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(cap=4)
     blocker = await rig.block_first_batch()
     long_futs = rig.batcher.submit("long", [tagged_window(100 + i, 30) for i in range(40)], EN)
@@ -144,7 +144,11 @@ async def test_oom_splits_halves_cap_and_regrows(rig_factory: Callable[..., Rig]
     rig = rig_factory(cap=8, regrow_after=2, fail=oom_over_two)
     caps: list[float] = []
     real_set = rig.metrics.batch_cap.set
-    rig.metrics.batch_cap.set = lambda v: (caps.append(v), real_set(v))  # type: ignore[method-assign]
+    def record(v: float) -> None:
+        caps.append(v)
+        real_set(v)
+
+    rig.metrics.batch_cap.set = record  # type: ignore[method-assign,assignment]
     blocker = await rig.block_first_batch()
     futs = rig.batcher.submit("j", [tagged_window(i) for i in range(8)], EN)
     rig.release()
@@ -203,7 +207,7 @@ async def test_engine_errors_never_hang_callers(rig_factory: Callable[..., Rig])
     assert all(isinstance(r, TranscriptionFailed) for r in results)
 
 
-async def test_stop_fails_pending_work_with_shutting_down(rig_factory) -> None:
+async def test_stop_fails_pending_work_with_shutting_down(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(cap=2)
     blocker = await rig.block_first_batch()
     waiting = rig.batcher.submit("j", [tagged_window(i) for i in range(4)], EN)
@@ -241,7 +245,7 @@ async def test_memory_budget_bounds_windows_in_flight(rig_factory: Callable[...,
         await batcher.stop(5)
 
 
-async def test_a_long_upload_leaves_the_last_worker_small_batches(rig_factory) -> None:
+async def test_a_long_upload_leaves_the_last_worker_small_batches(rig_factory: Callable[..., Rig]) -> None:
     """Two workers: a long job fills one with a full batch, the other gets cap/4 at a time, so
     a short request that arrives meanwhile waits one small batch, then runs on its own."""
     rig = rig_factory(cap=8, workers=2)
@@ -261,7 +265,7 @@ async def test_a_long_upload_leaves_the_last_worker_small_batches(rig_factory) -
     assert short_batch <= 3  # it rode in one of the next batches, not after the long job
 
 
-async def test_a_new_request_beside_a_running_upload_batches_alone(rig_factory) -> None:
+async def test_a_new_request_beside_a_running_upload_batches_alone(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(cap=8, workers=2)
     rig.fake.gate.clear()
     first = rig.batcher.submit("long", [tagged_window(100 + i, 30) for i in range(8)], EN)
@@ -321,11 +325,11 @@ async def test_a_long_jobs_engine_memory_is_capped_and_spread_over_the_workers()
 
 
 async def test_the_primitive_pins_a_failure_on_its_item_in_halves() -> None:
-    """app/batching/queue.isolate, shared by both batchers: a bad item among eight costs five
+    """app/batching/primitive.isolate, the rule both batchers follow: a bad item among eight costs five
     more calls (not eight), fails alone, and every other caller gets its result."""
     from dataclasses import dataclass
 
-    from app.batching.queue import answer, fail, isolate
+    from app.batching.primitive import answer, fail, isolate
 
     @dataclass
     class It:

@@ -1,11 +1,12 @@
-"""The batcher's order and per-job ledger (app/batching/fairness.py), without an event loop's
-timing: which windows a batch takes first, and what a job holds until its results are out."""
+"""The batcher's order and per-job ledger (app/batching/fairness.py), pure functions tested
+without an event loop: which windows a batch takes first, and what a job holds until its
+results are out."""
 
 from __future__ import annotations
 
 import asyncio
 
-from app.batching.fairness import JobLedger, fair_order
+from app.batching.fairness import fair_order, ledger, window_mb, within_memory
 from app.batching.stages import Item
 from app.config import BatcherSettings
 from app.windows import N_SAMPLES, DecodeOptions, Window
@@ -54,35 +55,30 @@ def test_among_equals_windows_near_the_oldest_length_come_first() -> None:
 
 
 def test_the_ledger_caps_a_jobs_memory_and_frees_it_as_results_come_out() -> None:
+    """The ledger is derived from what is in flight: a window whose result is out is simply
+    no longer in it, and its job's memory is free again."""
     loop = asyncio.new_event_loop()
     try:
-        settings = BatcherSettings(window_memory_mb=100.0, job_memory_mb=400.0)
-        wake = asyncio.Event()
-        ledger = JobLedger(settings, workers=2, padded=lambda w: N_SAMPLES, wake=wake)
+        mb = window_mb(BatcherSettings(window_memory_mb=100.0), lambda w: N_SAMPLES)
         long_job = _items(loop, [("long", None, 30)] * 6)
-        assert ledger.fresh("long")
+        assert ledger([], small=2, window_mb=mb).fresh("long")
+
+        def fit(in_flight: list[Item], ranked: list[Item]) -> list[Item]:
+            held = ledger(in_flight, small=2, window_mb=mb)
+            return within_memory(held, ranked, limit=8, budget_mb=400.0, workers=2, window_mb=mb)
+
         # A fresh job's first batch: at most its share per batch (400 MB / 2 workers = 2 windows).
-        first = ledger.within_memory(long_job, limit=8)
+        first = fit([], long_job)
         assert len(first) == 2
-        ledger.taken(first, small=2)
-        assert not ledger.fresh("long")
-        second = ledger.within_memory(long_job[2:], limit=8)
+        assert not ledger(first, small=2, window_mb=mb).fresh("long")
+        second = fit(first, long_job[2:])
         assert len(second) == 2
-        ledger.taken(second, small=2)
-        assert ledger.within_memory(long_job[4:], limit=8) == []  # 400 MB held: it waits
-        # Another job is not held by this one's budget.
-        other = _items(loop, [("short", None, 2)])
-        assert ledger.within_memory(other, limit=8) == other
-        first[0].future.set_result(None)  # type: ignore[arg-type]
-        loop.run_until_complete(asyncio.sleep(0))  # done callbacks run on the loop
-        assert wake.is_set()
-        assert len(ledger.within_memory(long_job[4:], limit=8)) == 1
-        for i in [*first[1:], *second]:
-            i.future.cancel()
-        loop.run_until_complete(asyncio.sleep(0))
-        assert ledger.fresh("long")
-        half = JobLedger(settings, workers=2, padded=lambda w: N_SAMPLES // 2, wake=wake)
-        assert half.window_mb(tagged_window(0, 5.0)) == 50.0  # in proportion to its padding
+        assert fit([*first, *second], long_job[4:]) == []  # 400 MB held: it waits
+        other = _items(loop, [("short", None, 2)])  # another job is not held by this one's budget
+        assert fit([*first, *second], other) == other
+        assert len(fit([*first[1:], *second], long_job[4:])) == 1  # one result out: one more
+        half = window_mb(BatcherSettings(window_memory_mb=100.0), lambda w: N_SAMPLES // 2)
+        assert half(long_job[0]) == 50.0  # in proportion to its padding
     finally:
         loop.close()
 
@@ -90,17 +86,12 @@ def test_the_ledger_caps_a_jobs_memory_and_frees_it_as_results_come_out() -> Non
 def test_short_requests_are_counted_until_their_results_are_out() -> None:
     loop = asyncio.new_event_loop()
     try:
-        ledger = JobLedger(BatcherSettings(), workers=1, padded=lambda w: N_SAMPLES,
-                           wake=asyncio.Event())
         items = _items(loop, [("s", None, 2), ("s", None, 2)])
         items[0].job_windows = items[1].job_windows = 2
         long = _items(loop, [("l", None, 30)])
         long[0].job_windows = 40
-        ledger.taken([*items, *long], small=2)
-        assert ledger.short_in_flight == 2
-        items[0].future.set_result(None)  # type: ignore[arg-type]
-        long[0].future.set_result(None)  # type: ignore[arg-type]
-        loop.run_until_complete(asyncio.sleep(0))
-        assert ledger.short_in_flight == 1
+        mb = window_mb(BatcherSettings(), lambda w: N_SAMPLES)
+        assert ledger([*items, *long], small=2, window_mb=mb).short == 2
+        assert ledger(items[1:], small=2, window_mb=mb).short == 1  # one answered
     finally:
         loop.close()

@@ -84,7 +84,7 @@ async def test_an_invalid_device_error_is_no_oom_and_the_other_gpu_takes_its_bat
     results, batcher, pool, metrics = await run_on_fake_gpus(gpu, windows=96)
     assert all(isinstance(r, WindowResult) for r in results), results  # re-placed on GPU 0
     assert metrics.oom_events._value.get() == 0
-    assert metrics.batch_cap._value.get() == 4 == batcher._cap.value  # the cap was not halved
+    assert metrics.batch_cap._value.get() == 4 == batcher.cap  # the cap was not halved
     bad = pool.slots[1]
     assert not bad.in_rotation and INVALID_DEVICE_TEXT in (bad.error or "")  # 3 strikes: out
     assert pool.slots[0].in_rotation and pool.unhealthy() is None
@@ -97,7 +97,7 @@ async def test_an_invalid_device_error_on_the_only_gpu_fails_its_windows_not_the
     results, batcher, pool, metrics = await run_on_fake_gpus(gpu, windows=8)
     assert all(isinstance(r, TranscriptionFailed) for r in results), results
     assert {r.details["cause"] for r in results} == {"engine_error"}  # not "out_of_memory"
-    assert metrics.oom_events._value.get() == 0 and batcher._cap.value == 4
+    assert metrics.oom_events._value.get() == 0 and batcher.cap == 4
     assert metrics.batches.labels("error")._value.get() > 0
     assert INVALID_DEVICE_TEXT in (pool.unhealthy() or "")  # calls keep failing: restart it
 

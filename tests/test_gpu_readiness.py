@@ -268,13 +268,12 @@ def test_sizing_counts_windows_times_beam_per_worker() -> None:
 
 
 def test_batch_cap_counts_beams_and_halves_in_them() -> None:
-    from app.batching.capacity import BatchCap
-    from app.metrics import Metrics
+    from app.batching.policy import after_oom, limit
 
-    cap = BatchCap(BatcherSettings(max_batch_size=16, max_batch_beams=16), Metrics())
-    assert [cap.limit("run", 0, beam) for beam in (1, 5, 10)] == [16, 3, 1]
-    cap.out_of_memory(3, beam=5)  # 15 windows x beam ran out: 7 is the new cap
-    assert cap.value == 7 and cap.limit("run", 0, 5) == 1
+    s = BatcherSettings(max_batch_size=16, max_batch_beams=16)
+    assert [limit(s, 16, "run", 0, beam) for beam in (1, 5, 10)] == [16, 3, 1]
+    cap = after_oom(s, 16, 3, beam=5)  # 15 windows x beam ran out: 7 is the new cap
+    assert cap == 7 and limit(s, cap, "run", 0, 5) == 1
 
 
 def test_warmup_derives_each_engines_cap_from_its_own_gpu(gpu_patch: Any) -> None:

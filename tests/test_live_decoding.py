@@ -9,10 +9,10 @@ from collections.abc import AsyncIterator
 import pytest
 
 from app.batching.batcher import Batcher
-from app.batching.stages import Stages
-from app.config import BatcherSettings
-from app.engine.placement import EngineRunner
+from app.config import BatcherSettings, Settings
+from app.engine.placement import EngineRunner, make_pool
 from app.engine.whisper import WhisperEngine
+from app.jobs.pipeline import make_batcher
 from app.live.decoding import LiveOptions, batcher_decoder, engine_decoder
 from app.metrics import Metrics
 from app.windows import SAMPLE_RATE, DecodeOptions
@@ -23,9 +23,8 @@ from tests.fakes import BOUND, FakeStagedEngine, Started, tagged_window
 async def staged() -> AsyncIterator[tuple[FakeStagedEngine, Batcher]]:
     started = Started()
     fake = FakeStagedEngine(workers=1)
-    runner = EngineRunner(fake)
-    batcher = Batcher(runner.run, BatcherSettings(max_batch_size=4), 1, Metrics(),
-                      stages=Stages(runner.encode, runner.decode, fake.padded_samples))
+    batcher = make_batcher(Settings(batcher=BatcherSettings(max_batch_size=4)), make_pool([fake]),
+                           Metrics())
     started.add(fake, batcher)
     yield fake, batcher
     await started.stop()

@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.batching.queue import ModelBatcher
+from app.batching.primitive import ModelBatcher
 from app.speakers import Diarizer, Turn, assign_speakers
 from app.speakers.models import SAMPLE_RATE, FrameGrid, SpeakerModels
 from models.provision import default_cache_dir

@@ -186,7 +186,7 @@ async def test_stopping_the_batcher_answers_every_caller() -> None:
     import threading
     from concurrent.futures import ThreadPoolExecutor
 
-    from app.batching.queue import ModelBatcher
+    from app.batching.primitive import ModelBatcher
 
     gate, pool = threading.Event(), ThreadPoolExecutor(1)
     b: ModelBatcher[int, int] = ModelBatcher(lambda xs: gate.wait(30) and xs, pool, max_batch=1)

@@ -14,10 +14,11 @@ from functools import partial
 import pytest
 
 from app.batching.batcher import Batcher
-from app.batching.stages import Item, Stages
-from app.batching.urgency import SlotPolicy, shed_stale
-from app.config import BatcherSettings
-from app.engine.placement import EngineRunner
+from app.batching.stages import Item
+from app.batching.urgency import Seen, bulk_ok, held_until, stale
+from app.config import BatcherSettings, Settings
+from app.engine.placement import make_pool
+from app.jobs.pipeline import make_batcher
 from app.metrics import Metrics
 from app.windows import DecodeOptions, Shed, Urgency, Window, WindowResult
 from tests.fakes import BOUND, FakeStagedEngine, Started, gather, tag_of, tagged_window
@@ -66,12 +67,10 @@ async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
     def make(cap: int = 2, workers: int = 1, fake: FakeStagedEngine | None = None,
              **settings: int) -> Rig:
         fake = fake or FakeStagedEngine(workers=workers)
-        runner = EngineRunner(fake)
         metrics = Metrics()
-        b = Batcher(runner.run, BatcherSettings(max_batch_size=cap, job_memory_mb=0, max_wait_ms=10,
-                                                max_decode_wait_ms=60_000, **settings),
-                    workers, metrics, stages=Stages(runner.encode, partial(runner.decode, redo=False),
-                                                    fake.padded_samples, redo=runner.redo))
+        batcher = BatcherSettings(max_batch_size=cap, job_memory_mb=0, max_wait_ms=10,
+                                  max_decode_wait_ms=60_000, **settings)
+        b = make_batcher(Settings(batcher=batcher), make_pool([fake]), metrics)  # the service's
         started.add(fake, b)
         return Rig(fake, b, metrics)
 
@@ -79,7 +78,7 @@ async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
     await started.stop()
 
 
-async def test_finals_go_before_request_windows_queued_earlier(rig_factory) -> None:
+async def test_finals_go_before_request_windows_queued_earlier(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(cap=2)
     blocker = await rig.blocker(22)  # another padded length: it decodes apart
     early = [f for i in range(4) for f in rig.batcher.submit(f"j{i}", [tagged_window(i, 3)], EN)]
@@ -95,13 +94,14 @@ async def test_finals_go_before_request_windows_queued_earlier(rig_factory) -> N
     assert 100 in decodes[0]
 
 
-async def test_interims_are_shed_when_superseded_never_finals(rig_factory) -> None:
+async def test_interims_are_shed_when_superseded_never_finals(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory()
     blocker = await rig.blocker()
     old = rig.batcher.submit("live", [tagged_window(1, 2)], EN, urgency=Urgency.LIVE_INTERIM)
     final = rig.batcher.submit("live", [tagged_window(2, 4)], EN, urgency=Urgency.LIVE_FINAL)
     new = rig.batcher.submit("live", [tagged_window(3, 2)], EN, urgency=Urgency.LIVE_INTERIM)
-    assert old[0].done() and isinstance(old[0].exception(), Shed)  # at once, not at the engine
+    with pytest.raises(Shed):  # while the engine is still held: never sent to it
+        await asyncio.wait_for(old[0], BOUND)
     assert not final[0].done()
     rig.fake.gate.set()
     results = await gather([*blocker, *old, *final, *new])
@@ -111,7 +111,7 @@ async def test_interims_are_shed_when_superseded_never_finals(rig_factory) -> No
     assert all(1 not in tags for tags in rig.calls())  # the shed window never reached the engine
 
 
-async def test_interims_are_shed_when_behind_never_finals(rig_factory) -> None:
+async def test_interims_are_shed_when_behind_never_finals(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(interim_max_wait_ms=20)
     blocker = await rig.blocker()
     interim = rig.batcher.submit("a", [tagged_window(1, 2)], EN, urgency=Urgency.LIVE_INTERIM)
@@ -125,7 +125,7 @@ async def test_interims_are_shed_when_behind_never_finals(rig_factory) -> None:
 
 
 async def test_interims_go_to_turns_without_text_first_then_the_longest_waiting(
-        rig_factory) -> None:
+        rig_factory: Callable[..., Rig]) -> None:
     """Interim decodes wait in :data:`~app.windows.Refresh` order, not their arrival: behind,
     the batcher first serves turns that have had fewer interims answered (a turn showing nothing
     yet), then the turn whose text was refreshed longest ago (at 16 streams, arrival order and a
@@ -145,7 +145,7 @@ async def test_interims_go_to_turns_without_text_first_then_the_longest_waiting(
     assert rig.shed() == 0
 
 
-async def test_a_demoted_final_waits_behind_the_true_finals(rig_factory) -> None:
+async def test_a_demoted_final_waits_behind_the_true_finals(rig_factory: Callable[..., Rig]) -> None:
     """A final decode started at a pause that speech resumed after is demoted: it waits as an
     interim, behind finals that came after it (it held their place at final priority: at 16
     streams p95 1.76-1.88 s with it, 1.46-1.59 s demoted)."""
@@ -167,13 +167,10 @@ async def test_an_interim_already_encoded_is_not_shed_as_stale() -> None:
     waiting, encoded = (Item(f"live-{k}", 0, tagged_window(k), EN, loop.create_future(),
                              enqueued=0.0, urgency=Urgency.LIVE_INTERIM) for k in (1, 2))
     encoded.encoded = object()  # type: ignore[assignment]
-    shed: list[int] = []
-    shed_stale([waiting, encoded], now=5.0, max_wait_s=1.0, count=lambda: shed.append(1))
-    assert isinstance(waiting.future.exception(), Shed)
-    assert not encoded.future.done() and len(shed) == 1
+    assert stale([waiting, encoded], now=5.0, max_wait_s=1.0) == [waiting]
 
 
-async def test_a_redo_does_not_delay_the_other_windows_of_its_batch(rig_factory) -> None:
+async def test_a_redo_does_not_delay_the_other_windows_of_its_batch(rig_factory: Callable[..., Rig]) -> None:
     """A looping window's 30 s fallback runs as a call of its own, after its decoder batch has
     answered every other window; an interim that loops keeps its first pass."""
     rig = rig_factory(cap=8, workers=2, fake=FakeStagedEngine(workers=2))
@@ -195,7 +192,7 @@ async def test_a_redo_does_not_delay_the_other_windows_of_its_batch(rig_factory)
     assert rig.batcher.pending() == 0
 
 
-async def test_a_finals_fallback_goes_before_newer_finals(rig_factory) -> None:
+async def test_a_finals_fallback_goes_before_newer_finals(rig_factory: Callable[..., Rig]) -> None:
     """Live finals run in arrival order wherever they wait: a final's 30 s fallback is not left
     behind finals that came after it (at 16 streams it waited 10-25 s behind them)."""
     rig = rig_factory(cap=2)
@@ -212,7 +209,8 @@ async def test_a_finals_fallback_goes_before_newer_finals(rig_factory) -> None:
 
 
 @pytest.mark.parametrize("reserved", [1, 0])
-async def test_a_short_request_gets_a_worker_beside_a_long_upload(rig_factory, reserved) -> None:
+async def test_a_short_request_gets_a_worker_beside_a_long_upload(rig_factory: Callable[..., Rig],
+                                                               reserved: int) -> None:
     """Two workers, short requests coming in, a long upload whose calls do not end: with a
     worker reserved, the upload holds one and a short request runs on the other; without, it
     holds both."""
@@ -223,12 +221,12 @@ async def test_a_short_request_gets_a_worker_beside_a_long_upload(rig_factory, r
                                        for k in range(12)], EN, job_windows=40)
     for _ in range(1 if reserved else 2):  # without a reserved worker the upload takes both
         await asyncio.to_thread(fake.long_entered.acquire, True, BOUND)
-    assert rig.batcher._policy.bulk_running == (1 if reserved else 2)
+    assert rig.batcher.busy()[1] == (1 if reserved else 2)
     short = rig.batcher.submit("short", [tagged_window(1, 3)], EN)
     if reserved:
         [result] = await gather(short)  # while the long upload's call still runs
         assert result.text == "w1"
-        assert rig.batcher._policy.bulk_running == 1  # and the upload still holds one worker
+        assert rig.batcher.busy()[1] == 1  # and the upload still holds one worker
     fake.long_gate.set()
     results = await gather([*long, *short])
     assert [r.text for r in results] == [*(f"w{LONG + k}" for k in range(12)), "w1"]
@@ -238,7 +236,7 @@ async def test_a_short_request_gets_a_worker_beside_a_long_upload(rig_factory, r
     assert (after[0] == [1]) == bool(reserved)
 
 
-async def test_a_long_upload_alone_takes_every_worker(rig_factory) -> None:
+async def test_a_long_upload_alone_takes_every_worker(rig_factory: Callable[..., Rig]) -> None:
     """No short or live work in the last 30 s: the reserve is not kept, the upload runs on both
     workers (on one of two it ran at 0.33 windows/s against 0.57)."""
     fake = HeldLong(workers=2)
@@ -247,7 +245,7 @@ async def test_a_long_upload_alone_takes_every_worker(rig_factory) -> None:
                                        for k in range(12)], EN, job_windows=40)
     for _ in range(2):
         await asyncio.to_thread(fake.long_entered.acquire, True, BOUND)
-    assert rig.batcher._policy.bulk_running == 2
+    assert rig.batcher.busy()[1] == 2
     fake.long_gate.set()
     assert len(await gather(long)) == 12
 
@@ -255,22 +253,23 @@ async def test_a_long_upload_alone_takes_every_worker(rig_factory) -> None:
 def test_beside_live_sessions_bulk_keeps_to_its_share_of_a_worker() -> None:
     """A quarter of one worker: after a bulk call of 1 s, the next starts 3 s after it ended,
     while live windows keep coming; once they stop for 5 s, bulk goes as before."""
-    policy = SlotPolicy(reserved=1, live_share=0.25)
-    policy.saw_light(100.0, live=True)
-    assert policy.bulk_ok(2, now=100.0)  # no bulk call yet
-    policy.bulk_done(100.0, 101.0)
-    assert policy.held_until(101.5) == 104.0 and not policy.bulk_ok(2, now=101.5)
-    policy.saw_light(103.5, live=True)
-    assert not policy.bulk_ok(2, now=103.9)
-    assert policy.bulk_ok(2, now=104.0)  # its share waited out
-    policy.bulk_done(104.0, 106.0)  # 2 s: the next 6 s later, unless live stops first
-    assert policy.held_until(106.5) == 108.5  # 5 s after the last live window
-    assert policy.bulk_ok(2, now=108.6)
-    assert SlotPolicy(reserved=1).held_until(0.0) is None  # share 1: never held
-    short = SlotPolicy(reserved=1, live_share=0.25)
-    short.saw_light(100.0)  # a short request is not a live session
-    short.bulk_done(100.0, 101.0)
-    assert short.bulk_ok(2, now=101.5)
+    def ok(seen: Seen, now: float) -> bool:
+        return bulk_ok(seen, now, reserved=1, workers=2, bulk_running=0)
+
+    seen = Seen().saw(100.0, live=True)
+    assert ok(seen, 100.0)  # no bulk call yet
+    seen = seen.bulk_done(100.0, 101.0, share=0.25)
+    assert held_until(seen, 101.5) == 104.0 and not ok(seen, 101.5)
+    seen = seen.saw(103.5, live=True)
+    assert not ok(seen, 103.9)
+    assert ok(seen, 104.0)  # its share waited out
+    seen = seen.bulk_done(104.0, 106.0, share=0.25)  # 2 s: the next 6 s later, unless live stops
+    assert held_until(seen, 106.5) == 108.5  # 5 s after the last live window
+    assert ok(seen, 108.6)
+    whole = Seen().saw(100.0, live=True).bulk_done(100.0, 101.0, share=1.0)
+    assert held_until(whole, 100.5) is None  # share 1: never held
+    short = Seen().saw(100.0, live=False).bulk_done(100.0, 101.0, share=0.25)
+    assert ok(short, 101.5)  # a short request is not a live session
 
 
 class SlowLong(HeldLong):
@@ -283,7 +282,7 @@ class SlowLong(HeldLong):
 
 
 async def test_bulk_held_for_its_share_resumes_once_live_sessions_stop(
-        rig_factory, monkeypatch: pytest.MonkeyPatch) -> None:
+        rig_factory: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch) -> None:
     """A bulk call of 20 ms beside a live session, at a share that would hold the next for 40 s
     (beyond the test's bound): live windows stop, and the batcher wakes by itself once the
     sessions count as quiet (no other event comes), so the upload's windows finish."""
@@ -295,11 +294,11 @@ async def test_bulk_held_for_its_share_resumes_once_live_sessions_stop(
     rig = rig_factory(cap=2, workers=2, fake=fake, reserved_slots=1,
                       bulk_share_beside_live=0.0005)
     await gather(rig.batcher.submit("live", [tagged_window(1, 3)], EN, urgency=Urgency.LIVE_FINAL))
-    spoke = rig.batcher._policy.live_seen
+    spoke = rig.batcher.seen.live
     long = rig.batcher.submit("long", [tagged_window(LONG + k, 30, start=30.0 * k)
                                        for k in range(3)], EN, job_windows=40)
     results = await gather(long)
     assert [r.text for r in results] == [f"w{LONG + k}" for k in range(3)]
     assert len([c for c in rig.calls() if c[0] >= LONG]) >= 2  # a batch holds 2: two calls
     assert time.monotonic() >= spoke + 0.3  # the second held until the session went quiet
-    assert rig.batcher._policy.bulk_next > spoke + 30  # the share alone would have held it on
+    assert rig.batcher.seen.bulk_next > spoke + 30  # the share alone would have held it on

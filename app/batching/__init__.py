@@ -1,2 +1,4 @@
-"""Cross-request batching: the primitive both batchers share and the speaker models' batcher
-(``queue``), the speech batcher's task (``batcher``), its two stages, fair order and cap."""
+"""Cross-request batching: the speech batcher (``batcher``: its owner task, ``owner``: the one
+writer of its state, ``policy``: the pure choice of the next engine call, with ``pool``,
+``fairness`` and ``urgency``; ``stages``: its vocabulary), and the primitive both batchers share
+with the speaker models' batcher (``primitive``)."""

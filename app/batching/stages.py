@@ -1,27 +1,19 @@
-"""The batcher's work items, and its second stage: encoded windows waiting for a decoder batch.
+"""The batcher's vocabulary: its work items, its two stages (CPU: an engine call may encode
+queued windows, or decode encoded ones gathered across encoder calls; app/batching/pool.py says
+when), and the messages its owner task hears.
 
 On CPU the encoder costs the same per window at any batch size while the decoder's cost per
 window falls steeply with its batch (see app.engine.Encoded). So the batcher can run the two
-stages as separate engine calls: queued windows are *encoded* as workers free up, and wait here,
-grouped by padded length, until a *decode* takes a whole group, windows from several encoder calls
-and many requests together. A queue under load is too shallow to sort by length; this pool is
-what an offline run over sorted windows gets for free.
-
-A group is decoded when it is full; when its oldest has waited ``max_decode_wait_ms``; when it is
-alone (nothing queued or being encoded could join it and no other short request is in the
-service: a lone client gains nothing by waiting); or, failing all that, when a worker would
-otherwise idle (the largest group). Groups holding a short request's window go first, and with
-several API keys a key's lone waiting window beside another key's flood (>= 4 waiting) makes its
-group ready at once: it does not wait for the flood's windows to fill the group. A group holding
-a live final (app/windows.Urgency) is ready at once and goes first, its finals first in it.
+stages as separate engine calls: queued windows are *encoded* as workers free up, and wait in
+the decoder pool, grouped by padded length, until a *decode* takes a whole group, windows from
+several encoder calls and many requests together.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -79,14 +71,6 @@ def urgent_first(ranked: Sequence[Item]) -> list[Item]:
     return finals + [next(interims) if i.urgency is Urgency.LIVE_INTERIM else i for i in rest]
 
 
-@dataclass(eq=False)
-class Batch:
-    stage: Stage
-    options: DecodeOptions
-    items: list[Item]
-    bulk: bool = False  # a long job's windows or a redo: kept off the reserved workers
-
-
 def encoded_of(items: Sequence[Item]) -> list[Encoded]:
     out = [i.encoded for i in items if i.encoded is not None]
     if len(out) != len(items):
@@ -94,104 +78,48 @@ def encoded_of(items: Sequence[Item]) -> list[Encoded]:
     return out
 
 
-class DecodePool:
-    """Encoded windows by (options, padded length). Owned by the batcher's task: no locks."""
+# ---- what the owner task hears (app/batching/owner.py applies each) ----------------------------
+# The only way callers, engine calls and the engine pool change its state, as
+# text-embeddings-inference's ``QueueCommand`` is the only way into its queue task. Callers post
+# Submit (windows and their futures), Demote (a live final that became an interim) and Wake (a
+# taken window's caller gave up); each engine call posts one Done with its results or its error;
+# the engine pool posts Slots (an engine left or re-entered the rotation); ``stop`` posts Stop.
 
-    def __init__(self) -> None:
-        self.groups: dict[GroupKey, list[Item]] = {}
-        self._encoding: dict[GroupKey, int] = {}  # windows inside encoder calls right now
+@dataclass(frozen=True)
+class Submit:
+    items: tuple[Item, ...]
 
-    def pending(self) -> int:
-        return sum(1 for g in self.groups.values() for i in g if not i.future.done())
 
-    def encoding(self, items: Iterable[Item], delta: int) -> None:
-        for i in items:
-            k = (i.options, i.padded)
-            n = self._encoding.get(k, 0) + delta
-            if n:
-                self._encoding[k] = n
-            else:
-                self._encoding.pop(k, None)
+@dataclass(frozen=True)
+class Done:
+    """One engine call ended: its results (one per window, encoder outputs for an encode) or
+    the error it raised, and how long it took."""
 
-    def add(self, items: Sequence[Item], encoded: Sequence[Encoded]) -> None:
-        now = time.monotonic()
-        for i, e in zip(items, encoded, strict=True):
-            i.encoded, i.pooled = e, now
-            self.groups.setdefault((i.options, i.padded), []).append(i)
+    call: int
+    results: Sequence[WindowResult] | Sequence[Encoded] | None
+    error: Exception | None
+    elapsed: float
 
-    def drain(self) -> list[Item]:
-        items = [i for g in self.groups.values() for i in g]
-        self.groups.clear()
-        return items
 
-    def select(self, now: float, *, wait_s: float, limit: int, small: int, idle: bool,
-               queued: Iterable[Item], shorts_in_flight: int,
-               among: Iterable[GroupKey] | None = None) -> tuple[GroupKey | None, float | None]:
-        """The group to decode now (see the module doc), else when one falls due.
+@dataclass(frozen=True)
+class Demote:
+    job_id: str
 
-        ``queued``: windows waiting to be encoded; ``shorts_in_flight``: short requests'
-        windows taken from the queue and not finished (these groups' own included).
-        """
-        joining = {k for k, n in self._encoding.items() if n}
-        shorts = shorts_in_flight
-        waiting: Counter[str | None] = Counter()  # windows waiting, by API key
-        for i in queued:
-            if not i.future.done():
-                joining.add((i.options, i.padded))
-                shorts += i.job_windows <= small
-                waiting[i.owner] += 1
-        for g in self.groups.values():
-            waiting.update(i.owner for i in g)
-        # A key with one window waiting beside a key flooding the service does not wait for its
-        # group to fill with the flood's windows: its group goes to the next free worker.
-        flood = len(waiting) > 1 and max(waiting.values()) >= FLOOD
-        ready: tuple[tuple[bool, bool, float], GroupKey] | None = None
-        largest: tuple[int, float, GroupKey] | None = None
-        deadline: float | None = None
-        keys = list(self.groups) if among is None else [k for k in among if k in self.groups]
-        for key in keys:
-            live = [i for i in self.groups[key] if not i.future.done()]  # cancelled: dropped
-            if not live:
-                del self.groups[key]
-                continue
-            self.groups[key] = live
-            at = live[0].pooled + wait_s
-            # Other short requests in the service mean more are coming (a load, not a lone
-            # client): then a group waits to fill.
-            alone = key not in joining and shorts <= len(live)
-            minority = flood and any(waiting[i.owner] <= 1 for i in live)
-            final = any(i.urgency is Urgency.LIVE_FINAL for i in live)  # never waits to fill
-            if len(live) >= limit or at <= now or alone or minority or final:
-                order = (not final, all(i.job_windows > small for i in live), live[0].enqueued)
-                if ready is None or order < ready[0]:
-                    ready = (order, key)
-            elif deadline is None or at < deadline:
-                deadline = at
-            if largest is None or (len(live), -live[0].enqueued) > largest[:2]:
-                largest = (len(live), -live[0].enqueued, key)
-        if ready is not None:
-            return ready[1], None
-        if idle and largest is not None:
-            return largest[2], None
-        return None, deadline
 
-    def take(self, key: GroupKey, limit: int) -> list[Item]:
-        """Up to ``limit`` windows of a group, round robin across API keys (oldest first within
-        a key): a key flooding the pool gets one place per round, like every other key."""
-        group = self.groups[key]
-        if len({i.owner for i in group}) > 1:
-            seen: dict[str | None, int] = {}
-            ranked = []
-            for n, i in enumerate(group):
-                seen[i.owner] = seen.get(i.owner, -1) + 1
-                ranked.append((seen[i.owner], n))
-            order = [group[n] for _, n in sorted(ranked)]
-        else:
-            order = group
-        order = urgent_first(order)
-        items = order[:limit]
-        taken = set(map(id, items))
-        group[:] = [i for i in group if id(i) not in taken]
-        if not group:
-            del self.groups[key]
-        return items
+@dataclass(frozen=True)
+class Slots:
+    delta: int  # -n: an engine's n workers left the rotation; +n: they are back
+
+
+@dataclass(frozen=True)
+class Stop:
+    deadline: float  # monotonic: the grace's end
+
+
+@dataclass(frozen=True)
+class Wake:
+    """Nothing to apply: look again (a window taken from the queue was cancelled, which may free
+    a job's memory share)."""
+
+
+Message = Submit | Done | Demote | Slots | Stop | Wake

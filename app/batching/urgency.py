@@ -13,16 +13,18 @@ waited ~8 s against 0.5 s idle. Two kinds of engine call held a worker for secon
 * **A long upload's calls on every worker.** Its windows run one per call per worker, so a new
   request waited for one of them to end (queue p50 2.1-3.5 s at load 6.5-9.7). Now *bulk* work
   (a long job's windows, redo calls) takes at most ``workers - reserved_slots`` workers
-  (:class:`SlotPolicy`): the reserved worker is always free of it for short requests and live
+  (:func:`bulk_ok`): the reserved worker is always free of it for short requests and live
   windows, while such work has come in the last 30 s; a long upload alone still takes every
   worker.
 
-What is left on the reserved worker is short work, and :class:`CostModel` bounds each such batch
+What is left on the reserved worker is short work, and :func:`within_cost` bounds each such batch
 by its estimated engine seconds (``batch_cost_s``), not only by its count: a final that arrives
 while every worker is busy waits at most about one budget. Smaller batches cost throughput, so
 the budget is on while live windows are in the batcher (the finals it protects): beside uploads
-alone, batches are sized as before. Bulk batches are not budgeted (the reserved worker is there
-instead), so a GPU's long-upload batches still fill.
+alone, batches are sized as before. Bulk batches are budgeted only where no worker is left free
+of long bulk calls (one worker, or a GPU's workers with no reserve): there the bulk call on the
+last such worker is cut to ``batch_cost_s`` while short or live work is recent
+(app/batching/policy.py), and elsewhere a GPU's long-upload batches still fill.
 
 Measured again at 16 live streams (engine trace at 91694fb): finals waited 1.9-2.7 s inside
 encoder calls of 6-8 windows, and a final whose decode asked for the 30 s fallback waited 10-25 s
@@ -55,17 +57,19 @@ place of true finals (p95 at 16 streams 1.76-1.88 s in probe runs; demoted, 1.46
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 
-from app.batching.stages import Item, Stage
-from app.windows import Shed, Urgency
+from app.batching.stages import Item
+from app.windows import Urgency
 
 EWMA = 0.3  # weight of the newest call in the measured cost per padded second
+LIGHT_RECENT_S = 30.0  # a short request or live window this recent keeps the reserve in force
+LIVE_RECENT_S = 5.0  # a live window this recent: live sessions are speaking
 
 
 def has_final(items: Iterable[Item]) -> bool:
-    return any(i.urgency is Urgency.LIVE_FINAL and not i.future.done() for i in items)
+    return any(i.urgency is Urgency.LIVE_FINAL for i in items)
 
 
 def oldest_final(queued: Iterable[Iterable[Item]], pooled: Iterable[Iterable[Item]],
@@ -76,127 +80,103 @@ def oldest_final(queued: Iterable[Iterable[Item]], pooled: Iterable[Iterable[Ite
     for where, items in (("redo", redo), ("pool", (i for g in pooled for i in g)),
                          ("queue", (i for g in queued for i in g))):
         for i in items:
-            if i.urgency is Urgency.LIVE_FINAL and not i.future.done() \
-                    and (best is None or i.enqueued < best[0]):
+            if i.urgency is Urgency.LIVE_FINAL and (best is None or i.enqueued < best[0]):
                 best = (i.enqueued, where)
     return None if best is None else best[1]
 
 
-def shed(item: Item, why: str, count: Callable[[], None]) -> None:
-    if item.urgency is not Urgency.LIVE_INTERIM or item.future.done():
-        return
-    item.future.set_exception(Shed(f"interim decode shed: {why}"))
-    count()
-
-
-def shed_stale(items: Iterable[Item], now: float, max_wait_s: float,
-               count: Callable[[], None]) -> None:
+def stale(items: Iterable[Item], now: float, max_wait_s: float) -> list[Item]:
     """Interim decodes not yet encoded that waited longer than ``max_wait_s`` (see the module
-    doc). One already encoded is kept: its encoder call, most of its cost, is spent (at 16 streams
-    27 of 71 stale sheds were of encoded interims, work thrown away)."""
-    for i in items:
-        if i.urgency is Urgency.LIVE_INTERIM and i.encoded is None and now - i.enqueued > max_wait_s:
-            shed(i, f"waited over {max_wait_s:.1f} s", count)
+    doc): to shed. One already encoded is kept: its encoder call, most of its cost, is spent (at
+    16 streams 27 of 71 stale sheds were of encoded interims, work thrown away)."""
+    return [i for i in items if i.urgency is Urgency.LIVE_INTERIM and i.encoded is None
+            and now - i.enqueued > max_wait_s and not i.future.done()]
 
 
-def supersede(items: Iterable[Item], job_id: str, count: Callable[[], None]) -> None:
+def superseded(items: Iterable[Item], job_id: str) -> list[Item]:
     """Earlier interim decodes of ``job_id`` still waiting: a newer one replaces them."""
-    for i in items:
-        if i.job_id == job_id:
-            shed(i, "superseded by a newer interim", count)
+    return [i for i in items if i.job_id == job_id and i.urgency is Urgency.LIVE_INTERIM
+            and not i.future.done()]
 
 
-class CostModel:
-    """An engine call's estimated seconds: its windows' padded seconds times the seconds per
-    padded second that the last calls of its stage measured (an EWMA, so a loaded host's slower
-    calls count within a few calls). Unmeasured: no estimate, no bound."""
-
-    def __init__(self, budget_s: float) -> None:
-        self.budget_s = budget_s
-        self._rate: dict[Stage, float] = {}
-
-    def observe(self, stage: Stage, padded_s: float, elapsed_s: float) -> None:
-        if padded_s <= 0:
-            return
-        rate = elapsed_s / padded_s
-        old = self._rate.get(stage)
-        self._rate[stage] = rate if old is None else (1 - EWMA) * old + EWMA * rate
-
-    def estimate(self, stage: Stage, padded_s: float) -> float | None:
-        rate = self._rate.get(stage)
-        return None if rate is None else rate * padded_s
-
-    def within(self, stage: Stage, items: list[Item], padded_s: Callable[[Item], float]
-               ) -> list[Item]:
-        """The longest prefix of ``items`` whose estimated cost fits the budget (one at least)."""
-        rate = self._rate.get(stage)
-        if not self.budget_s or rate is None:
-            return items
-        total = 0.0
-        for n, i in enumerate(items):
-            total += rate * padded_s(i)
-            if n and total > self.budget_s:
-                return items[:n]
-        return items
+def ewma(old: float | None, rate: float) -> float:
+    """The cost per padded second after a call measured at ``rate``: an EWMA, so a loaded
+    host's slower calls count within a few calls."""
+    return rate if old is None else (1 - EWMA) * old + EWMA * rate
 
 
-LIGHT_RECENT_S = 30.0  # a short request or live window this recent keeps the reserve in force
-LIVE_RECENT_S = 5.0  # a live window this recent: live sessions are speaking
+def within_cost(rate: float | None, budget_s: float, items: Sequence[Item],
+                padded_s: Callable[[Item], float]) -> list[Item]:
+    """The longest prefix of ``items`` whose estimated engine seconds (padded seconds x the
+    stage's measured ``rate``) fit ``budget_s``, one window at least. Unmeasured (no rate) or
+    no budget: all of them."""
+    if not budget_s or rate is None:
+        return list(items)
+    total = 0.0
+    for n, i in enumerate(items):
+        total += rate * padded_s(i)
+        if n and total > budget_s:
+            return list(items[:n])
+    return list(items)
 
 
-class SlotPolicy:
-    """Bulk work (a long job's windows, redo calls) takes at most ``workers - reserved`` engine
-    workers, at least one, while short requests or live windows have come in the last
-    ``LIGHT_RECENT_S``: the rest stay free for them. With none that recent (a long upload or a
-    batch of them alone), bulk takes every worker: on 2 CPU cores a long upload on one worker
-    of two ran at 0.33 windows/s against 0.57 on both (loadtest/results/stall.json), a cost
-    worth paying only while someone is waiting for a quick answer. The first short request after
-    such a quiet spell waits at most for one bulk call to end (one window's encode or decode).
+@dataclass(frozen=True)
+class Seen:
+    """When light work (a short request or a live window) and live work last came in
+    (monotonic), and, beside live sessions, when the next bulk call may start."""
+
+    light: float = float("-inf")
+    live: float = float("-inf")
+    bulk_next: float = float("-inf")
+
+    def saw(self, now: float, live: bool) -> Seen:
+        return Seen(max(self.light, now), max(self.live, now) if live else self.live,
+                    self.bulk_next)
+
+    def bulk_done(self, started: float, ended: float, share: float) -> Seen:
+        """A bulk call ran from ``started`` to ``ended``: the next waits its share out."""
+        if not 0 < share < 1:
+            return self
+        return Seen(self.light, self.live,
+                    max(self.bulk_next, ended + (ended - started) * (1 / share - 1)))
+
+    def light_recent(self, now: float) -> bool:
+        return now - self.light <= LIGHT_RECENT_S
+
+
+def held_until(seen: Seen, now: float) -> float | None:
+    """When bulk may start again, if the live share holds it back now (see :func:`bulk_ok`)."""
+    if now - seen.live <= LIVE_RECENT_S and now < seen.bulk_next:
+        return min(seen.bulk_next, seen.live + LIVE_RECENT_S)
+    return None
+
+
+def bulk_ok(seen: Seen, now: float, *, reserved: int, workers: int, bulk_running: int) -> bool:
+    """Whether a bulk call (a long job's windows, a redo) may start now.
+
+    It takes at most ``workers - reserved`` engine workers, at least one, while short requests
+    or live windows have come in the last ``LIGHT_RECENT_S``: the rest stay free for them. With
+    none that recent (a long upload or a batch of them alone), bulk takes every worker: on 2
+    CPU cores a long upload on one worker of two ran at 0.33 windows/s against 0.57 on both
+    (loadtest/results/stall.json), a cost worth paying only while someone is waiting for a
+    quick answer. The first short request after such a quiet spell waits at most for one bulk
+    call to end.
 
     While live sessions speak (a live window in the last ``LIVE_RECENT_S``), bulk work also
-    keeps to ``live_share`` of one worker's time: after a bulk call of d seconds the next starts
-    d x (1/share - 1) later at the earliest. An engine trace at 16 streams beside a 20-minute
-    upload (3b597ce) had the upload's calls (1.38 s each) on one of the two workers 76 % of the
-    time: live work had 1.24 workers, and its turn p95 read 1.8-2.0 s against 1.36-1.43 s with
-    no upload. Holding bulk back only while a live window waits did not help (p95 1.61-2.74 s
-    in seven runs): a bulk call starts in any gap and holds its worker for its whole window."""
+    keeps to ``live_share`` of one worker's time (:meth:`Seen.bulk_done`): after a bulk call of
+    d seconds the next starts d x (1/share - 1) later at the earliest. An engine trace at 16
+    streams beside a 20-minute upload (3b597ce) had the upload's calls (1.38 s each) on one of
+    the two workers 76 % of the time: live work had 1.24 workers, and its turn p95 read 1.8-2.0 s
+    against 1.36-1.43 s with no upload. Holding bulk back only while a live window waits did not
+    help (p95 1.61-2.74 s in seven runs): a bulk call starts in any gap and holds its worker for
+    its whole window."""
+    if now - seen.light > LIGHT_RECENT_S:
+        return bulk_running < workers
+    if held_until(seen, now) is not None:
+        return False
+    return bulk_running < max(1, workers - reserved)
 
-    def __init__(self, reserved: int, recent_s: float = LIGHT_RECENT_S,
-                 live_share: float = 1.0) -> None:
-        self.reserved = reserved
-        self.recent_s = recent_s
-        self.live_share = live_share
-        self.bulk_running = 0  # bulk batches dispatched and not finished
-        self.light_seen = float("-inf")  # monotonic time of the last short or live submission
-        self.live_seen = float("-inf")  # monotonic time of the last live submission
-        self.bulk_next = float("-inf")  # beside live sessions, no bulk call starts before this
 
-    def saw_light(self, now: float, live: bool = False) -> None:
-        self.light_seen = now
-        if live:
-            self.live_seen = now
-
-    def bulk_done(self, started: float, ended: float) -> None:
-        """A bulk call ran from ``started`` to ``ended``: the next waits its share out."""
-        if 0 < self.live_share < 1:
-            self.bulk_next = max(self.bulk_next,
-                                 ended + (ended - started) * (1 / self.live_share - 1))
-
-    def held_until(self, now: float) -> float | None:
-        """When bulk may start again, if the live share holds it back now."""
-        if now - self.live_seen <= LIVE_RECENT_S and now < self.bulk_next:
-            return min(self.bulk_next, self.live_seen + LIVE_RECENT_S)
-        return None
-
-    def bulk_ok(self, workers: int, now: float | None = None) -> bool:
-        now = time.monotonic() if now is None else now
-        if now - self.light_seen > self.recent_s:
-            return self.bulk_running < workers
-        if self.held_until(now) is not None:
-            return False
-        return self.bulk_running < max(1, workers - self.reserved)
-
-    @staticmethod
-    def heavy(item: Item, cap: int) -> bool:
-        """A long job's window (more windows than a batch holds), not a live one."""
-        return item.urgency is Urgency.REQUEST and item.job_windows > cap
+def heavy(item: Item, cap: int) -> bool:
+    """A long job's window (more windows than a batch holds), not a live one: bulk work."""
+    return item.urgency is Urgency.REQUEST and item.job_windows > cap

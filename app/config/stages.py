@@ -190,11 +190,13 @@ class BatcherSettings(BaseModel):
     )
     batch_cost_s: float = Field(
         3.0, ge=0, le=600,
-        description="While live windows are in the batcher, a batch of short work is cut to "
-        "this many estimated engine seconds (its windows' padded seconds x the seconds per "
-        "padded second its stage's last calls took), so a live final waits at most about this "
-        "for a worker. 0: off. Measured at load 6.5-9.7: a decoder batch of 8 plain windows "
-        "1.25 s.",
+        description="The engine cost a short request's or a live final's window may wait for. "
+        "While live windows are in the batcher, a batch of short work is cut to this many "
+        "estimated engine seconds (its windows' padded seconds x the seconds per padded second "
+        "its stage's last calls took); while short or live work came in the last 30 s, a bulk "
+        "call (a long upload's windows) that would leave no worker free of bulk calls longer "
+        "than this is cut to it (one worker, or a GPU's with no reserved worker). 0: off. "
+        "Measured at load 6.5-9.7: a decoder batch of 8 plain windows 1.25 s.",
     )
     interim_max_wait_ms: int = Field(
         1000, ge=0, le=60_000,

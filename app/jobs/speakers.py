@@ -2,7 +2,7 @@
 
 The job's work (app/jobs/work.py) hands every decoded chunk to :meth:`JobSpeakers.feed` right
 after the chunk's windows went to the batcher. The chunk's speaker work (segmentation windows
-and CAM++ crops, batched with other jobs' by app/batching/queue.py) then runs in a task of its
+and CAM++ crops, batched with other jobs' by app/batching/primitive.py) then runs in a task of its
 own while the next chunk is prepared and the windows are transcribed; the next ``feed`` first
 waits for it. So a stream's calls never overlap (``SpeakerStream`` requires it), and a job holds
 at most the chunk being diarized plus the one just decoded (~2 x 60 s of audio, whatever the

@@ -18,7 +18,7 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from app.batching.queue import ModelBatcher
+from app.batching.primitive import ModelBatcher
 from app.speakers.cluster import SpeakerBounds
 from app.speakers.models import SAMPLE_RATE, FrameGrid
 from app.speakers.report import SpeakerTurns

@@ -33,7 +33,7 @@ from app.speakers.turns import compress, reconstruct, to_turns, voices_heard
 from app.speakers.voices import match, unit_mean
 
 if TYPE_CHECKING:
-    from app.batching.queue import ModelBatcher
+    from app.batching.primitive import ModelBatcher
 
 CROP_S = 1.5  # 3D-Speaker's diarization sub-segment and hop (chunk(dur=1.5, step=0.75))
 CROP_HOP_S = 0.75

@@ -1,4 +1,5 @@
-"""The batching primitive, and the speaker models' batcher built on nothing else.
+"""The batching primitive (the rules and helpers both batchers share), and the speaker models'
+batcher built on nothing else.
 
 Both batchers pool items from many callers into model calls, and share these rules:
 
@@ -11,7 +12,8 @@ Both batchers pool items from many callers into model calls, and share these rul
 * **Fair across jobs.** A batch takes every job's next item before any job's second, so a long
   upload cannot hold a short request's few items behind it.
 * **A failure is isolated.** A failed batch is split in halves, each run again (and split
-  again), so a bad item fails only its own caller (:func:`isolate`).
+  again), so a bad item fails only its own caller (:func:`isolate`; the speech batcher's owner
+  splits the same way one engine call at a time, app/batching/owner.py).
 
 Why two batchers, in a sentence: the speech batcher (app/batching/batcher.py) groups windows by
 decode options and padded length, sizes each batch by engine memory and beams, and runs several
