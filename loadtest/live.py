@@ -23,8 +23,10 @@ turns themselves cost (``--silence-ms``: the pause that ends a turn, OpenAI's 50
 ``--eagerness off,auto`` runs each N twice in turn on the same streams, with server VAD and
 with ``semantic_vad`` at eagerness auto (``turn_detection`` in each result).
 
-``--beside long`` keeps a 20-minute upload in flight throughout (posted again when it ends), as
-loadtest/traffic.py does for short clips. Streams, pacing and scores: loadtest/live_common.py.
+``--beside long`` keeps a 20-minute upload of continuous read speech (~28 s windows,
+loadtest/stall.py) in flight, posted again when it ends. ``--turns long``: only the read speech of
+5-15 s (issue 48: LibriSpeech, LJ Speech, LibriVox; 19 clips), in each stream's seeded order.
+Streams, pacing and scores: loadtest/live_common.py.
 """
 
 from __future__ import annotations
@@ -70,6 +72,7 @@ def session_config(silence_ms: int = 500, eagerness: str | None = None) -> dict[
 
 
 SESSION = session_config()
+LONG_TURN_SETS = ("librispeech", "ljspeech", "librivox")  # issue 48: long read-speech turns
 
 
 def to_pcm24(audio16: np.ndarray) -> bytes:
@@ -259,13 +262,17 @@ async def batch_turn_texts(base_url: str, streams: list[Stream], outcomes: list[
         await client.close()
 
 
-async def keep_long(base_url: str, stop: asyncio.Event, minutes: float, work: Path) -> int:
-    """A long upload always in flight until ``stop``; how many were posted."""
+async def keep_long(base_url: str, stop: asyncio.Event, minutes: float, work: Path,
+                    kind: str = "meeting") -> int:
+    """A long upload (``kind``: see ``--upload``) always in flight until ``stop``; how many
+    were posted."""
     from loadtest.common import load_corpus
     from loadtest.service import TERMINAL, Client, write_long_wav
+    from loadtest.stall import write_meeting_wav
 
     path = work / "long.wav"
-    await asyncio.to_thread(write_long_wav, load_corpus(), path, minutes * 60)
+    write = write_meeting_wav if kind == "meeting" else write_long_wav
+    await asyncio.to_thread(write, load_corpus(), path, minutes * 60)
     client = Client(base_url, [], "en")
     blob, posted = path.read_bytes(), 0
     try:
@@ -288,7 +295,7 @@ async def one_run(args: argparse.Namespace, base: str, ws_url: str, headers: dic
     """The ``streams`` as live sessions (``mode``: ``off`` for server VAD, else semantic_vad's
     eagerness), beside the long upload if asked."""
     stop = asyncio.Event()
-    beside = (asyncio.create_task(keep_long(base, stop, args.long_minutes, work))
+    beside = (asyncio.create_task(keep_long(base, stop, args.long_minutes, work, args.upload))
               if args.beside == "long" else None)
     load = loadavg()
     r = await run_sessions(ws_url, streams, headers, args.drain, args.tolerance,
@@ -317,6 +324,8 @@ async def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
     ws_url = base.replace("http", "ws", 1) + "/v1/realtime?intent=transcription"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
     clips = live_clips()
+    if args.turns == "long":  # read speech of 5-15 s: a turn long enough for interim text
+        clips = [c for c in clips if c.set in LONG_TURN_SETS and 5.0 <= c.duration_s <= 15.0]
     cache: dict[str, np.ndarray] = {}
     results = []
     try:
@@ -358,6 +367,10 @@ def main() -> None:
     ap.add_argument("--tolerance", type=float, default=0.5)
     ap.add_argument("--beside", choices=("none", "long"), default="none")
     ap.add_argument("--long-minutes", type=float, default=20.0)
+    ap.add_argument("--upload", choices=("meeting", "clips"), default="meeting",
+                    help="--beside long: continuous read speech, or corpus clips with gaps")
+    ap.add_argument("--turns", choices=("all", "long"), default="all",
+                    help="utterances: corpus clips of 1-15 s, or read speech of 5-15 s")
     ap.add_argument("--batch-wer", action="store_true")
     ap.add_argument("--silence-ms", type=int, default=500,
                     help="server VAD's silence_duration_ms (OpenAI's default 500)")

@@ -150,7 +150,9 @@ class Owner:
     # ---- choosing the next call --------------------------------------------------------------
     def next(self, now: float) -> Call | Wait:
         """The next call to start on a free worker (the policy's choice, applied), else when
-        to look again."""
+        to look again. Nothing is looked at while every worker is busy: a call's end wakes it."""
+        if self.workers - self.retired - len(self.calls) < 1:
+            return Wait(None)
         for i in stale(self.waiting(), now, self.settings.interim_max_wait_ms / 1000):
             self._shed(i, f"waited over {self.settings.interim_max_wait_ms / 1000:.1f} s")
         self._prune()

@@ -264,7 +264,7 @@ def _decode(s: Snapshot, now: float, idle: bool, among: set[GroupKey] | None = N
     small = s.small
     key, deadline = pool.select(
         s.pool, s.encoding, now, wait_s=s.settings.max_decode_wait_ms / 1000,
-        limit=s.limit("decode"), small=small, cap=s.cap, idle=idle,
+        limit=s.limit("decode"), small=small, idle=idle,
         queued=(i for g in s.queued.values() for i in g), shorts_in_flight=s.ledger.short,
         interim_wait_s=s.settings.interim_max_wait_ms / 1000, among=among)
     if key is None:

@@ -14,13 +14,15 @@ makes its group ready at once: it does not wait for the flood's windows to fill 
 group holding a live final (app/windows.Urgency) is ready at once and goes first, its finals
 first in it.
 
-Only windows that will be encoded can join a group: a long upload's windows (more than a batch
-holds) run both stages in one call and never reach the pool. Counting them as "joining" held a
-short request's encoded window for company that never came, ``max_decode_wait_ms`` (6 s), each
-time the upload had a window of its padded length queued: the issue-48 run beside a 20-minute
-upload saw six requests in a row at ~6.9 s against ~1 s idle, and the simulation
-(tests/test_simulation.py, short clips of 4-25 s) max 7.4-7.9 s against 1.4-1.9 s idle under
-that rule, 1.8 s without it.
+Only a short request's queued window is company worth waiting for. A long upload's windows
+(more than a batch holds) run both stages in one call and never reach the pool; an upload of a
+few windows (up to a batch, ~4 minutes) is encoded at its own pace, a window or two a call
+within its memory share. Counting them as "joining" held a short request's encoded window
+``max_decode_wait_ms`` (6 s) each time the upload had a window of its padded length queued: the
+issue-48 run beside a 20-minute upload saw six requests in a row at ~6.9 s against ~1 s idle;
+simulated (tests/test_simulation.py, short clips of 4-25 s) max 7.4-7.9 s against 1.4-1.9 s idle
+beside a 20-minute upload, p95 4.7-5.4x idle beside 3.5-minute ones, and without it 1.8 s and
+1.9-2.0x.
 
 A group holding a live interim is due ``interim_max_wait_ms`` (1 s) after the interim came in,
 not after ``max_decode_wait_ms``: an encoded interim is never shed (its encode is spent), and
@@ -42,13 +44,13 @@ from app.windows import Urgency
 
 
 def select(pool: Mapping[GroupKey, Sequence[Item]], encoding: Mapping[GroupKey, int], now: float,
-           *, wait_s: float, limit: int, small: int, cap: int, idle: bool,
+           *, wait_s: float, limit: int, small: int, idle: bool,
            queued: Iterable[Item], shorts_in_flight: int, interim_wait_s: float | None = None,
            among: Iterable[GroupKey] | None = None) -> tuple[GroupKey | None, float | None]:
     """The group to decode now (see the module doc), else when one falls due.
 
     ``pool``: its groups hold only windows still waited for; ``queued``: windows waiting to be
-    encoded or run (``cap``: those of a job of more windows run in one call); ``encoding``:
+    encoded or run (``small``: a short request's at most); ``encoding``:
     windows inside encoder calls by group; ``shorts_in_flight``: short requests' windows taken
     from the queue and not answered (these groups' own included).
     """
@@ -56,7 +58,7 @@ def select(pool: Mapping[GroupKey, Sequence[Item]], encoding: Mapping[GroupKey, 
     shorts = shorts_in_flight
     waiting: Counter[str | None] = Counter()  # windows waiting, by API key
     for i in queued:
-        if i.job_windows <= cap:  # it will be encoded, and may join a group
+        if i.job_windows <= small:  # a short request's: it will be encoded soon and join
             joining.add((i.options, i.padded))
         shorts += i.job_windows <= small
         waiting[i.owner] += 1
