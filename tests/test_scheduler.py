@@ -176,6 +176,16 @@ def test_a_fallback_waits_while_a_short_request_needs_the_last_worker() -> None:
     assert got.stage == "redo" and got.bulk  # nothing short waiting: it goes
 
 
+def test_a_short_requests_fallback_is_its_own_work_not_bulk() -> None:
+    """Beside a long upload's call on the bulk worker, a short request's looping window's
+    fallback goes on the reserved worker (it waited 2.1 s for the upload's in a trace)."""
+    looped = item("short", 4.0, encoded=True)
+    got = take(pick(snap([], redo=[looped], running=[BULK], rates=RATES), NOW))
+    assert (got.stage, got.items, got.bulk) == ("redo", (looped,), False)
+    uploads = item("upload", 28.0, size=40, encoded=True)
+    assert pick(snap([], redo=[uploads], running=[BULK], rates=RATES), NOW) == Wait(None)
+
+
 # ---- the decoder pool --------------------------------------------------------------------------
 def test_an_uploads_queued_window_is_no_company_for_a_short_request() -> None:
     """A long upload's windows run both stages in one call: one of the short request's padded

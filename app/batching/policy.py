@@ -12,11 +12,13 @@ In order, on a free worker:
    in the pool), their encode (app/batching/urgency.py: a final's 30 s fallback waited 10-25 s
    behind newer finals under a queued-finals-first rule).
 2. **A decode** of an encoded group that is ready (app/batching/pool.py), two stages.
-3. **A window's fallback** (``redo``): bulk work.
+3. **A window's fallback** (``redo``): a short request's on any worker, a long upload's as
+   bulk work.
 4. **Queued windows**: the first ready group (full, due after ``max_wait_ms``, holding a final,
    or holding windows to encode, which need not wait), in fair order
    (app/batching/fairness.py), within each job's memory; beside running work, windows of a job
-   with nothing in flight (a short request that just arrived) go in a batch of their own.
+   with nothing in flight (a short request that just arrived) go in a batch of their own, and
+   light windows (a short request's, a live one) never share a call with a long upload's.
 
 **The engine cost of what is in flight** bounds what a latency-critical window (a short
 request's, a live final) may wait behind bulk work (a long upload's windows, fallbacks): one
@@ -128,8 +130,9 @@ def pick(s: Snapshot, now: float) -> Take | Wait:
         if decode is not None:
             return decode
         deadline = _earliest(deadline, due)
-    if s.redo and not first and bulk and _redo_ok(s, now):
-        return Take("redo", s.redo[0].options, (s.redo[0],), bulk=True)
+    redo = None if first else _redo(s, now, bulk)
+    if redo is not None:
+        return redo
     for key in ready:
         items = _take(s, key, now, bulk)
         if items:
@@ -155,11 +158,12 @@ def _earliest(a: float | None, b: float | None) -> float | None:
 def _ready(s: Snapshot, now: float, bulk: bool) -> tuple[list[DecodeOptions], float | None]:
     """Queued groups that may go now (full, due, holding a final or windows to encode), the
     finals' and then the oldest first; else when the first falls due. Only windows that may go
-    count (``bulk``: a long job's may): a group of an upload's windows held back for the live
-    sessions' share is not work for an idle worker. Counted, it kept the decoder pool's
-    interims from the idle worker (pool.select's ``idle``) until their group filled: simulated
-    at 16 streams beside an upload, interim answers p50 2.7 s against 1.4 s alone with the
-    engine 75 % busy (tests/test_simulation.py)."""
+    count (``bulk``: a long job's may): a group of an upload's windows held back (from the
+    reserved worker, or for the live sessions' share) is not work for an idle worker. Counted,
+    it kept the decoder pool's groups from the idle worker (pool.select's ``idle``) until they
+    filled: a short request's window waited ``max_decode_wait_ms`` (app/batching/pool.py), and
+    simulated at 16 streams beside an upload, interim answers p50 2.7 s against 1.4 s alone with
+    the engine 75 % busy (tests/test_simulation.py)."""
     wait_s = s.settings.max_wait_ms / 1000
     ready: list[tuple[bool, float, DecodeOptions]] = []
     deadline: float | None = None
@@ -203,15 +207,27 @@ def _bound(s: Snapshot, now: float) -> bool:
     return bool(s.settings.batch_cost_s) and s.seen.light_recent(now) and not _spare(s)
 
 
+def _redo(s: Snapshot, now: float, bulk: bool) -> Take | None:
+    """A window's fallback. A short request's is its own work: it goes first, on any worker
+    (seen in a trace beside an upload: a looping short clip's fallback waited 2.1 s for the
+    upload's worker while the reserved one idled). A long upload's is bulk work: it goes where
+    bulk may (see :func:`_redo_ok`)."""
+    light = [i for i in s.redo if not heavy(i, s.cap)]
+    if light:
+        return Take("redo", light[0].options, (light[0],))
+    if s.redo and bulk and _redo_ok(s, now):
+        return Take("redo", s.redo[0].options, (s.redo[0],), bulk=True)
+    return None
+
+
 def _redo_ok(s: Snapshot, now: float) -> bool:
-    """A fallback (one window, it cannot be cut) goes where bulk may, except onto the last
-    worker free of long bulk calls while a short request's window waits for it."""
+    """A long upload's fallback takes no worker that a short request's window waits for, when
+    that worker is the last free of long bulk calls: queued behind it, the window would wait
+    for two calls (simulated on one worker: 4.1 s outside its own calls, budget 3 s)."""
     if not _bound(s, now):
         return True
-    cost = s.cost("redo", s.redo[:1])
-    waiting = any(not heavy(i, s.cap) and i.urgency is not Urgency.LIVE_INTERIM
-                  for g in s.queued.values() for i in g)
-    return not waiting or (cost is not None and cost <= s.settings.batch_cost_s)
+    return not any(not heavy(i, s.cap) and i.urgency is not Urgency.LIVE_INTERIM
+                   for g in s.queued.values() for i in g)
 
 
 def _take(s: Snapshot, key: DecodeOptions, now: float, bulk: bool) -> list[Item]:

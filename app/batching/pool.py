@@ -17,12 +17,13 @@ first in it.
 Only a short request's queued window is company worth waiting for. A long upload's windows
 (more than a batch holds) run both stages in one call and never reach the pool; an upload of a
 few windows (up to a batch, ~4 minutes) is encoded at its own pace, a window or two a call
-within its memory share. Counting them as "joining" held a short request's encoded window
-``max_decode_wait_ms`` (6 s) each time the upload had a window of its padded length queued: the
-issue-48 run beside a 20-minute upload saw six requests in a row at ~6.9 s against ~1 s idle;
-simulated (tests/test_simulation.py, short clips of 4-25 s) max 7.4-7.9 s against 1.4-1.9 s idle
-beside a 20-minute upload, p95 4.7-5.4x idle beside 3.5-minute ones, and without it 1.8 s and
-1.9-2.0x.
+within its memory share. Two rules held a short request's encoded window ``max_decode_wait_ms``
+(6 s) beside a long upload: its queued windows of the request's padded length counted as
+company that would join, and its windows held back from the reserved worker counted as work for
+it, so the largest group did not go to the idle worker either (policy._ready). The issue-48 run
+saw six requests in a row at ~6.9 s against ~1 s idle. Simulated (tests/test_simulation.py,
+short clips of 4-25 s): beside a 20-minute upload max 7.4-7.9 s against 1.4-1.9 s idle under
+both rules, as idle now; beside 3.5-minute uploads p95 4.7-5.8x idle under the first, 2.0-2.1x.
 
 A group holding a live interim is due ``interim_max_wait_ms`` (1 s) after the interim came in,
 not after ``max_decode_wait_ms``: an encoded interim is never shed (its encode is spent), and

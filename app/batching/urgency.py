@@ -12,7 +12,7 @@ waited ~8 s against 0.5 s idle. Two kinds of engine call held a worker for secon
   itself. A live interim decode never gets one: the turn's final supersedes it.
 * **A long upload's calls on every worker.** Its windows run one per call per worker, so a new
   request waited for one of them to end (queue p50 2.1-3.5 s at load 6.5-9.7). Now *bulk* work
-  (a long job's windows, redo calls) takes at most ``workers - reserved_slots`` workers
+  (a long job's windows and their fallbacks) takes at most ``workers - reserved_slots`` workers
   (:func:`bulk_ok`): the reserved worker is always free of it for short requests and live
   windows, while such work has come in the last 30 s; a long upload alone still takes every
   worker.
@@ -31,7 +31,8 @@ encoder calls of 6-8 windows, and a final whose decode asked for the 30 s fallba
 behind newer finals. So while live windows are in, an encoder call takes one window (it costs
 the same per window at any batch size on CPU), and finals run in arrival order wherever they
 wait (:func:`oldest_final`): to encode, to decode, or for their fallback, which for a final is
-not bulk work. The batcher's part of a final then read p50 0.69 s, max 2.4 s.
+not bulk work; nor is a short request's (app/batching/policy.py). The batcher's part of a final
+then read p50 0.69 s, max 2.4 s.
 
 Urgency (app/windows.Urgency): live finals go first in every choice (the queue, the decoder pool,
 inside a batch); REQUEST windows keep the batcher's own fairness; live interim decodes are shed

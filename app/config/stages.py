@@ -174,7 +174,7 @@ class BatcherSettings(BaseModel):
     reserved_slots: int = Field(
         1, ge=0, le=64,
         description="Two stages (CPU): engine workers kept free of bulk work (a long upload's "
-        "windows, a looping window's 30 s fallback) for short requests and live windows; bulk "
+        "windows and their 30 s fallbacks) for short requests and live windows; bulk "
         "takes the others, at least one. Beside a 20-minute upload a new request waited for one "
         "of its calls on every worker (queue p50 2.1-3.5 s at load 6.5-9.7; app/batching/"
         "urgency.py). In force while short or live work came in the last 30 s; a long upload "
