@@ -13,7 +13,7 @@ from loadtest.common import SHORT_CLIP_S, load_corpus
 def engine_costs(model: str, threads: int = 1) -> list[dict[str, Any]]:
     """Each short clip's windows through the engine alone (batch 1, ``threads`` threads): the
     encoder and decoder stage seconds, and whether the decode went back to Whisper's 30 s axis
-    (its text looped or was unsure: app/engine/whisper.py ``_redo_degenerate``)."""
+    (its text looped or was unsure: app/engine/whisper.py ``_redo_axis``)."""
     from app.config import ModelSettings
     from app.engine.whisper import WhisperEngine
     from app.windows import DecodeOptions
@@ -23,13 +23,13 @@ def engine_costs(model: str, threads: int = 1) -> list[dict[str, Any]]:
     engine = WhisperEngine(resolve_model(model), ModelSettings(
         device="cpu", compute_type="int8", num_workers=1, cpu_threads=threads), model)
     redo: list[int] = []
-    inner = engine._transcribe
+    inner = engine._run
 
     def counted(windows: Any, options: Any, n: int, languages: Any = None) -> Any:
         redo.append(n)
         return inner(windows, options, n, languages)
 
-    engine._transcribe = counted  # type: ignore[method-assign]
+    engine._run = counted  # type: ignore[method-assign]
     opts = DecodeOptions()
     out: list[dict[str, Any]] = []
     cut = cut_corpus(clips)

@@ -1,13 +1,11 @@
 """The job runner: claims queued jobs from the store, runs each (app/jobs/work.py), finishes it.
 
-Per job: its audio is prepared a chunk at a time on the shared prep pool and each chunk's
-windows go to the batcher at once (:class:`app.jobs.work.JobWork`); results are reassembled in
-time order whatever order the batches finished in. Jobs are claimed only as fast as the prep
-pool starts them (about ``prep workers + 1`` claimed and not started), so a replica never sits
-on work another replica could start, and a drain gives unstarted jobs back at no cost.
-
-The job's work (app/jobs/work.py) and housekeeping (app/jobs/upkeep.py) hold no reference to
-the runner: they get its shared parts and a few callbacks (``Tools``, ``Hooks``).
+Per job: its audio is prepared a chunk at a time and each chunk's windows go to the batcher at
+once (:class:`app.jobs.work.JobWork`); results are reassembled in time order. Jobs are claimed
+only as fast as prep starts them (about ``prep workers + 1`` claimed and not started), so a
+replica never sits on work another could start, and a drain gives unstarted jobs back at no
+cost. The job's work and housekeeping (app/jobs/upkeep.py) hold no reference to the runner:
+they get its shared parts and a few callbacks (``Tools``, ``Hooks``).
 """
 
 from __future__ import annotations
@@ -100,8 +98,7 @@ class JobRunner:
             if t.get_name() != "claim":
                 t.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        # Jobs still waiting for a prep thread are released at once, not decoded one by one only
-        # to be refused by the stopping batcher.
+        # Jobs waiting for prep go now, not decoded only to be refused by the stopping batcher.
         self.prep.shutdown()
         await self.batcher.stop(grace_s)
         tasks = [a.task for a in self.active.values()]
@@ -113,9 +110,8 @@ class JobRunner:
         for t in tasks:
             t.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
-        # No job runs in this process any more: whatever the store still shows as ours (a
-        # release that failed, a task cancelled before it began) goes back to the queue now
-        # rather than when its lease expires.
+        # No job runs here any more: what the store still shows as ours (a failed release, a
+        # task cancelled before it began) is requeued now, not when its lease expires.
         try:
             if n := await self.store.requeue_stale(self.replica):
                 log.warning("requeued %d job(s) left running at shutdown", n)
