@@ -11,7 +11,9 @@ clustered; the constants below are that recipe's, not tuned here:
   Laplacian, the speaker count from the largest eigengap among the smallest eigenvalues,
   k-means on the eigenvectors;
 - then clusters of <= 4 embeddings are folded into the nearest larger one, and clusters whose
-  centroids have cosine >= 0.8 are merged.
+  centroids have cosine >= 0.8 are merged;
+- (ours, app/speakers/evidence.py) then clusters that the segmentation model heard as one
+  voice, and never as two, are merged when their centroids are at least 0.5 similar.
 
 Our changes, measured (``loadtest/diarization.py --excerpts``: 10-30 s excerpts of the shared
 recordings and synthetic conversations of corpus speakers): 3D-Speaker's fixed minimum of 5
@@ -40,10 +42,13 @@ not n^2 floats.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
+
+from app.speakers.evidence import merge_same_voice
 
 if TYPE_CHECKING:
     from scipy.sparse import csr_matrix
@@ -86,9 +91,12 @@ class SpeakerBounds:
         return lo, max(lo, hi)
 
 
-def cluster(x: np.ndarray, bounds: SpeakerBounds | None = None, heard: int = 1) -> np.ndarray:
+def cluster(x: np.ndarray, bounds: SpeakerBounds | None = None, heard: int = 1,
+            voices: Sequence[dict[int, int]] | None = None) -> np.ndarray:
     """Labels 0..k-1 (numbered by first occurrence) for the rows of ``x`` (n, dim). ``heard``:
-    voices the segmentation model heard at once (a floor for the estimate in short audio)."""
+    voices the segmentation model heard at once (a floor for the estimate in short audio);
+    ``voices``: per row, the segmentation model's voice for it per window
+    (:func:`app.speakers.evidence.crop_voices`), for merging what it heard as one voice."""
     bounds = bounds or SpeakerBounds()
     n = len(x)
     if n == 0:
@@ -104,6 +112,8 @@ def cluster(x: np.ndarray, bounds: SpeakerBounds | None = None, heard: int = 1) 
     if bounds.num_speakers is None:
         labels = _fold_minor(x, labels, lo, min_size(n))
         labels = _merge_similar(x, labels, lo)
+        if voices is not None:
+            labels = merge_same_voice(x, labels, voices, lo)
     return _renumber(labels)
 
 

@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 
 from app.speakers.cluster import SpeakerBounds, cluster
+from app.speakers.evidence import crop_voices
 from app.speakers.models import CROP_SAMPLES, SAMPLE_RATE, FrameGrid, circle_pad
 from app.speakers.report import SpeakerTurns
 from app.speakers.turns import compress, reconstruct, to_turns, voices_heard
@@ -81,6 +82,9 @@ class SpeakerStream:
         self.embeddings: list[np.ndarray] = []
         self._busy = False
         self._finished = False
+        # The segmentation-evidence merge (app/speakers/evidence.py); False gives the
+        # clustering before it, for the side-by-side bench (loadtest/diarization_dev.py).
+        self.evidence = True
 
     # ---- public API ----------------------------------------------------------------------
     async def feed(self, samples: np.ndarray, offset_s: float) -> None:
@@ -237,7 +241,9 @@ class SpeakerStream:
         if not self.embeddings:
             return SpeakerTurns([], self.bounds, 0, speech_s, match({}, self.known)[1])
         labels = cluster(np.stack(self.embeddings), self.bounds,
-                         voices_heard(self.windows, self._grid))
+                         voices_heard(self.windows, self._grid),
+                         crop_voices(self.windows, self.window_frames, self.crops, self._grid)
+                         if self.evidence else None)
         spans = compress(self.crops, labels.tolist())
         need = self.bounds.num_speakers or self.bounds.min_speakers or 0
         binary = reconstruct(self.windows, self.window_frames, count, spans,
