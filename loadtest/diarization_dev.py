@@ -59,7 +59,9 @@ async def diarize_all(items: list[dict[str, Any]], cache_dir: Path, chunk_s: flo
             for variant in VARIANTS:
                 c0 = time.process_time()
                 stream = diarizer.stream()
-                stream.evidence = variant == "new"
+                if variant == "old":  # the stream before issue 49
+                    stream.evidence = False
+                    stream.min_speaker_s = 0.0
                 audio = m["audio"]
                 for a in range(0, len(audio), step):
                     await stream.feed(audio[a: a + step], a / SAMPLE_RATE)
