@@ -15,6 +15,9 @@ whole diarization, so a shared machine's other load does not count. Scoring is
 and how many recordings got a speaker count within one of the reference's. ``shared`` marks the
 four recordings of ``../shared/corpus-diarization`` (part of the tuning split).
 
+``count_margins``: per recording, the speaker count found when the clustering's cut moves
+from 0.3 to 0.5 (3D-Speaker's 0.4 in the middle): how close each count decision was.
+
 The acceptance bar of issue 49 is checked on the held-out split: mean DER <= 20 %, no
 recording above 30 %, count within one on >= 80 % of recordings (``bar`` in the report).
 """
@@ -35,6 +38,7 @@ from loadtest.diarization import DEFAULT_CORPUS, git_state, load_der, manifest, 
 DATASET = ROOT / "tests" / "data" / "diarization"
 SETTINGS = {"primary": 0.25, "strict": 0.0}
 VARIANTS = ("old", "new")
+MARGIN_CUTS = (0.3, 0.35, 0.4, 0.45, 0.5)
 
 
 async def diarize_all(items: list[dict[str, Any]], cache_dir: Path, chunk_s: float
@@ -67,7 +71,8 @@ async def diarize_all(items: list[dict[str, Any]], cache_dir: Path, chunk_s: flo
                     await stream.feed(audio[a: a + step], a / SAMPLE_RATE)
                 turns = await stream.finish()
                 out[variant][m["id"]] = {"turns": [tuple(t) for t in turns],
-                                         "cpu_s": time.process_time() - c0}
+                                         "cpu_s": time.process_time() - c0,
+                                         "stream": stream if variant == "new" else None}
     finally:
         await diarizer.stop()
     return out
@@ -104,6 +109,28 @@ def score(der: Any, items: list[dict[str, Any]], hyps: dict[str, Any]) -> dict[s
                      "tune": summarise([r for r in rows if r["split"] == "tune"]),
                      "heldout": summarise([r for r in rows if r["split"] == "heldout"]),
                      "shared": summarise([r for r in rows if r["shared"]])}
+    return out
+
+
+def margins(items: list[dict[str, Any]], hyps: dict[str, Any]) -> dict[str, Any]:
+    """How close each recording's speaker count was: the count found when the clustering's
+    cut (3D-Speaker's 0.4 average cosine) moves by up to 0.1 either way, the rest unchanged
+    (the same embeddings and windows, re-clustered: ``SpeakerStream._result``)."""
+    from app.speakers import cluster
+
+    out: dict[str, Any] = {}
+    saved = cluster.AHC_COS
+    try:
+        for m in items:
+            stream = hyps[m["id"]]["stream"]
+            row = {}
+            for cut in MARGIN_CUTS:
+                cluster.AHC_COS = cut
+                row[f"{cut:.2f}"] = len({t.speaker for t in stream._result()})
+            out[m["id"]] = {"speakers": m["speakers"], "crops": len(stream.crops),
+                            "found_at_cut": row}
+    finally:
+        cluster.AHC_COS = saved
     return out
 
 
@@ -147,6 +174,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         "scores": {v: score(der, items, hyps[v]) for v in VARIANTS},
         "cpu_s_per_audio_s": {v: round(sum(h["cpu_s"] for h in hyps[v].values()) / audio_s, 4)
                               for v in VARIANTS}}
+    report["count_margins"] = margins(items, hyps["new"])
+    for h in hyps["new"].values():
+        h.pop("stream")
     if args.split in ("all", "heldout"):
         report["bar"] = {v: bar(report["scores"][v]["primary"]["heldout"]) for v in VARIANTS}
     if args.rttm_dir:
@@ -169,6 +199,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                       f"{100 * s['der_mean']:.2f}% max {100 * s['der_max']:.1f}% count within "
                       f"one {s['count_within_one']}/{s['recordings']}")
         print(f"{v} CPU {report['cpu_s_per_audio_s'][v]} s per audio s")
+    for i, r in report["count_margins"].items():
+        print(f"count margins {i:24s} truth {r['speakers']} crops {r['crops']:3d} found at cut "
+              + " ".join(f"{c}:{k}" for c, k in r["found_at_cut"].items()))
     return 0
 
 
