@@ -39,6 +39,8 @@ Definitions (what the numbers mean):
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator
+
 from prometheus_client import (
     CollectorRegistry,
     Counter,
@@ -49,6 +51,9 @@ from prometheus_client import (
     ProcessCollector,
     disable_created_metrics,
 )
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
+from prometheus_client.registry import Collector
 
 from app.engine.device import MemoryReading
 
@@ -219,6 +224,12 @@ class Metrics:
         for reason in ("total", "key"):
             self.live_refused.labels(reason)
 
+    def watch_outbound(self, in_flight: Callable[[], dict[tuple[str, str | None], int]],
+                       cut_offs: Callable[[], dict[tuple[str, str], int]]) -> None:
+        """The outbound guard's state, read at each scrape (app/net/slots.py): requests in
+        flight per kind and API key, and requests cut off per kind and rule."""
+        self.registry.register(_Outbound(in_flight, cut_offs))
+
     def batch_done(self, windows: int, audio_s: float, window_s: float) -> None:
         """A batch's results are out (two stages: its decode): sizes, fill and audio done."""
         self.batches.labels("ok").inc()
@@ -233,3 +244,32 @@ class Metrics:
             self.device_memory_total.labels(r.device).set(r.total_bytes)
             if r.process_bytes is not None:
                 self.engine_memory.labels(r.device).set(r.process_bytes)
+
+
+class _Outbound(Collector):
+    """``outbound_in_flight{kind,key}``: ``audio_url`` downloads (``fetch``) and webhook
+    deliveries holding a slot now, per API key (its tenant id; ``none`` without keys);
+    ``outbound_cut_off_total{kind,rule}``: requests this service cut off: ``min_rate`` (a
+    download under ``outbound.min_fetch_rate_bytes_s``), ``deadline``, ``size``, ``busy`` (no
+    slot within the deadline)."""
+
+    def __init__(self, in_flight: Callable[[], dict[tuple[str, str | None], int]],
+                 cut_offs: Callable[[], dict[tuple[str, str], int]]) -> None:
+        self._in_flight, self._cut_offs = in_flight, cut_offs
+
+    def collect(self) -> Iterator[Metric]:
+        g = GaugeMetricFamily("batchscribe_outbound_in_flight", "Outbound requests holding a "
+                              "slot now, by kind (fetch, webhook) and API key.",
+                              labels=["kind", "key"])
+        for kind in ("fetch", "webhook"):  # a series before the first request
+            g.add_metric([kind, "none"], 0.0)
+        for (kind, key), n in self._in_flight().items():
+            g.add_metric([kind, key or "none"], float(n))
+        c = CounterMetricFamily("batchscribe_outbound_cut_off", "Outbound requests this service "
+                                "cut off, by kind and rule (min_rate, deadline, size, busy).",
+                                labels=["kind", "rule"])
+        counts = self._cut_offs()
+        for rule in ("min_rate", "deadline", "size", "busy"):
+            c.add_metric(["fetch", rule], float(counts.get(("fetch", rule), 0)))
+        yield g
+        yield c

@@ -268,11 +268,20 @@ async def test_errors_are_coarse_categories() -> None:
     await g.aclose()
 
 
-def test_in_flight_caps() -> None:
-    g = guard(max_in_flight=3, max_per_host=2)
-    with g.slot("a.example") as one, g.slot("A.example") as two, g.slot("a.example") as three:
-        assert (one, two, three) == (True, True, False)  # per host (names case-insensitive)
-        with g.slot("b.example") as four, g.slot("c.example") as five:
-            assert (four, five) == (True, False)  # in all
-            assert g.free() == 0
-    assert g.free() == 3 and not g._in_flight
+async def test_in_flight_caps() -> None:
+    """Caps in all and per destination address (names resolving to one address share it);
+    per key and fairness between keys: tests/test_outbound_slots.py."""
+    async def one_address(host: str, port: int) -> list[str]:
+        return [PUBLIC]
+
+    g = guard(one_address, max_in_flight=3, max_per_host=2, max_per_host_per_key=2)
+    a, a_again = await g.destination("http://a.example/"), await g.destination("http://A.example/")
+    assert a == a_again == f"addr:{PUBLIC}"
+    held = [await g.slots.acquire(None, a) for _ in range(3)]
+    assert held == [True, True, False]  # per destination
+    assert await g.slots.acquire(None, "addr:198.51.100.7") is True
+    assert await g.slots.acquire(None, "addr:198.51.100.8") is False  # in all
+    assert g.free() == 0
+    for dest in (a, a, "addr:198.51.100.7"):
+        g.slots.release(None, dest)
+    assert g.free() == 3 and not g.slots.by_key()

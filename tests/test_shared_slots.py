@@ -87,8 +87,11 @@ def clip(clips: list[Clip]) -> Clip:
 def url(tmp_path: Path) -> Iterator[str]:
     settings = fake_settings(
         tmp_path, security={"api_key_sha256": [sha(KEY_A), sha(KEY_B)]},
+        # Issue 38's shape: stalled downloads that stay (no rate rule, no per-key share of the
+        # slots; issue 51's cut-offs and shares: tests/test_fetch_limits.py).
         outbound={"allowed_hosts": ["127.0.0.1", "127.0.0.2"], "max_in_flight": 256,
-                  "max_per_host": 128},
+                  "max_per_host": 128, "max_per_key": 256, "max_per_host_per_key": 128,
+                  "min_fetch_rate_bytes_s": 0},
         limits={"max_transfers_per_key": FETCHES + UPLOADS, "max_queued_jobs_per_key": 500})
     with serve(create_app(settings, engine_factory=lambda s: FakeEngine())) as base:
         yield base

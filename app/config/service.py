@@ -235,6 +235,34 @@ class OutboundSettings(BaseModel):
         description="Outbound requests at once to one host; more wait (webhooks) or get 429 "
         "(audio_url), so one slow receiver cannot take every slot.",
     )
+    max_per_key: int = Field(
+        default=16, ge=1, le=10_000,
+        description="Outbound requests (downloads and webhook deliveries) one API key may have in "
+        "flight at once on this replica; more wait for one of its own to end. Issue 51: one "
+        "key's 16 trickling downloads held every slot another key's audio_url needed.",
+    )
+    max_per_host_per_key: int = Field(
+        default=4, ge=1, le=10_000,
+        description="Of one destination's max_per_host slots, what one API key may hold, so a "
+        "key's stalled downloads leave room at a destination (an address) others use too.",
+    )
+    min_fetch_rate_bytes_s: int = Field(
+        default=32 * 1024, ge=0, le=1 << 30,
+        description="An audio_url download whose average rate since its answer's headers falls "
+        "under this (bytes per second, judged from fetch_rate_grace_s on) is cut off and its job "
+        "fails naming the rule: a server sending a byte a second defeats any connect or header "
+        "time-out and would hold its slot for the whole fetch_timeout_s. 0: no rate rule.",
+    )
+    fetch_rate_grace_s: float = Field(
+        default=10.0, gt=0, le=600,
+        description="How long after its headers an audio_url download is judged by "
+        "min_fetch_rate_bytes_s (a burst already received buys time at that rate).",
+    )
+    answer_timeout_s: float = Field(
+        default=30.0, gt=0, le=600,
+        description="An audio_url's server must send its answer's headers within this; "
+        "counted as unreachable otherwise (what a silent port looks like too).",
+    )
     max_answer_bytes: int = Field(
         default=4096, ge=0, le=1024 * 1024,
         description="Of a webhook receiver's answer body, at most this much is read.",

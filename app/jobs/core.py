@@ -76,6 +76,7 @@ class Core:
         self._live = live
         self._hub = EventHub(settings.limits.max_event_streams_per_key, self._read,
                              runner.watch, lambda: runner.stopped)
+        metrics.watch_outbound(outbound.slots.by_kind, lambda: dict(outbound.cut_offs))
 
     @property
     def stopped(self) -> bool:

@@ -108,7 +108,8 @@ class Fetches:
                 d.received = n
 
         try:
-            fetched = await fetch_audio(s, self._outbound, url, dest, progress=progress)
+            fetched = await fetch_audio(s, self._outbound, url, dest, progress=progress,
+                                        owner=up.owner)
             if fetched.size == 0:
                 raise InvalidAudio("the fetched file is empty", field="audio_url")
             info = await anyio.to_thread.run_sync(audio.probe, dest, s.limits.max_audio_s)

@@ -47,7 +47,8 @@ KEY_SECRET_PREFIX = "whsec_"
 TOLERANCE_S = 300  # receivers: refuse signatures older (or newer) than this
 CLAIM_BATCH = 16
 MAX_IDLE_S = 60.0  # also catches deliveries another replica released or left behind
-BUSY_RETRY_S = 1.0  # a delivery whose host has no free slot waits this long, attempt uncounted
+BUSY_RETRY_S = 1.0  # a delivery that got no slot in SLOT_WAIT_S is due again this much later
+SLOT_WAIT_S = 20.0  # a claimed delivery waits this long for a slot (inside its claim's lease)
 
 
 def sign(secret: str, timestamp: int, body: bytes) -> str:
@@ -108,7 +109,13 @@ class WebhookDispatcher:
     """Claims due deliveries and sends them through the outbound guard: every attempt is
     checked where it connects, ends by ``timeout_s`` whatever the receiver does, and reads at
     most ``outbound.max_answer_bytes`` of the answer. ``last_error`` records a category
-    (``HTTP 503``, ``timeout``, ``refused``...), never an address or exception text."""
+    (``HTTP 503``, ``timeout``, ``refused``...), never an address or exception text.
+
+    Deliveries are the owner's: each holds one of its API key's outbound slots (at most
+    ``outbound.max_per_key`` in all, ``max_per_host_per_key`` at one receiver's address), and
+    claims go round robin across keys (a key's n-th due delivery after every other key's
+    first) and skip keys whose slots are all taken here: issue 51 measured one key's webhooks
+    filling every outbound slot, the dispatcher ignoring whose they were."""
 
     def __init__(self, settings: WebhookSettings, store: JobStore, guard: OutboundGuard) -> None:
         self.settings = settings
@@ -143,7 +150,7 @@ class WebhookDispatcher:
             self._wake.clear()
             timeout = MAX_IDLE_S
             try:
-                free = min(CLAIM_BATCH, self.guard.free())
+                free = min(CLAIM_BATCH, self.guard.free() - self.guard.slots.waiting())
                 for row in await self._claim(free):
                     task = asyncio.create_task(self._deliver(row), name=f"webhook-{row.id}")
                     self._inflight.add(task)
@@ -167,10 +174,14 @@ class WebhookDispatcher:
         if limit <= 0:
             return []
 
+        full = [k for k in self.guard.slots.by_key() if self.guard.slots.key_full(k)]
+
         def claim(conn: sa.Connection) -> list[JobRow]:
-            due = (jobs.c.webhook_status == "pending", jobs.c.webhook_next_at <= db_now(conn))
-            return claim_rows(conn, due, jobs.c.webhook_next_at, limit,
-                              lambda c: {"webhook_next_at": db_now(c) + self._lease_s})
+            due = (jobs.c.webhook_status == "pending", jobs.c.webhook_next_at <= db_now(conn),
+                   *not_owned_by(full))
+            frm, order = fair_due(conn)
+            return claim_rows(conn, due, order, limit,
+                              lambda c: {"webhook_next_at": db_now(c) + self._lease_s}, frm)
 
         return await self.store.run(claim)
 
@@ -199,12 +210,13 @@ class WebhookDispatcher:
         try:
             assert row.callback_url is not None
             answer = await self.guard.send(
-                "POST", row.callback_url, content=body, headers=headers,
-                deadline_s=self.settings.timeout_s, max_bytes=self.guard.settings.max_answer_bytes)
+                "POST", row.callback_url, content=body, headers=headers, key=row.owner,
+                wait_s=SLOT_WAIT_S, deadline_s=self.settings.timeout_s,
+                max_bytes=self.guard.settings.max_answer_bytes)
             if not 200 <= answer.status < 300:
                 error = f"HTTP {answer.status}"
         except OutboundError as exc:
-            if exc.category == "busy":  # the host's share of slots is taken: not an attempt
+            if exc.category == "busy":  # no slot of the key's or the receiver's: not an attempt
                 await self._record(row.id, {}, BUSY_RETRY_S)
                 return
             error = exc.public  # never a port's state: app/net/outbound.py
@@ -240,3 +252,26 @@ class WebhookDispatcher:
         except Exception:  # the lease expires and the attempt is made again: at-least-once
             log.exception("cannot record the webhook attempt for job %s", job_id)
         self._wake.set()  # the next due time may have moved earlier
+
+
+def not_owned_by(owners: list[str | None]) -> tuple[sa.ColumnElement[bool], ...]:
+    """Rows of none of ``owners`` (None: the keyless tenant)."""
+    named = [o for o in owners if o is not None]
+    out: list[sa.ColumnElement[bool]] = []
+    if None in owners:
+        out.append(jobs.c.owner.is_not(None))
+    if named:
+        out.append(sa.or_(jobs.c.owner.is_(None), jobs.c.owner.notin_(named)))
+    return tuple(out)
+
+
+def fair_due(conn: sa.Connection) -> tuple[sa.FromClause, sa.ColumnElement[Any]]:
+    """Claim order of due deliveries: a delivery's rank among its key's due ones, so one key
+    with a thousand pending deliveries delays another key's first by one turn at most."""
+    q = jobs.alias("w")
+    key = sa.func.coalesce(q.c.owner, sa.literal_column("''"))
+    ranked = (sa.select(q.c.id.label("id"), sa.func.row_number().over(
+        partition_by=key, order_by=(q.c.webhook_next_at, q.c.id)).label("rk"))
+        .where(q.c.webhook_status == "pending", q.c.webhook_next_at <= db_now(conn))
+        .subquery("due"))
+    return jobs.join(ranked, ranked.c.id == jobs.c.id), ranked.c.rk

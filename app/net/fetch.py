@@ -4,7 +4,13 @@ first byte); from there the audio is probed and admitted exactly like an upload'
 
 * ``http(s)://`` through the outbound guard (:mod:`app.net.outbound`): the destination is checked
   at submit and again where the connection is made, no redirects are followed, and the whole
-  download runs under ``outbound.fetch_timeout_s``.
+  download runs under ``outbound.fetch_timeout_s``. The answer's headers must come within
+  ``outbound.answer_timeout_s`` (else "unreachable", as a silent port reads), and from then on
+  its average rate must stay at ``outbound.min_fetch_rate_bytes_s`` (:class:`RateRule`): a
+  server trickling a byte a second is cut off after ``fetch_rate_grace_s``, not after the
+  whole deadline, and the job's error names the URL's host and the rule.
+* Every download holds one of the guard's slots, one of its key's (app/net/slots.py), waiting
+  for one (event-driven, fairly between keys) within the fetch deadline.
 * ``s3://bucket/key`` with the blob store's credentials (``storage.s3_endpoint_url`` and the
   usual ``AWS_*`` variables), only from buckets listed in ``outbound.s3_buckets``, and never
   from the blob store's own prefix (other tenants' uploads live there).
@@ -32,7 +38,7 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from app import audio
 from app.config import Settings
-from app.errors import BadRequest, Overloaded, PayloadTooLarge, ServiceError
+from app.errors import BadRequest, PayloadTooLarge, ServiceError
 from app.net.outbound import OutboundError, OutboundGuard
 from app.net.s3 import s3_client, s3_location
 
@@ -56,7 +62,25 @@ class Fetched:
 
 
 Progress = Callable[[int], None]  # bytes received so far
-BUSY_WAIT_S = 1.0  # the outbound slots (in all, or of this host) are taken: try again then
+
+
+class RateRule:
+    """The minimum average transfer rate of a download, from its headers on: at any time
+    ``t`` past ``grace_s``, ``received >= min_rate * t``. :meth:`cut_at` is when the rule fails
+    if nothing more arrives: the read in flight is given until then, so the rule is exact
+    without a timer of its own."""
+
+    def __init__(self, min_rate: int, grace_s: float, start: float) -> None:
+        self.min_rate, self.grace_s, self.start = min_rate, grace_s, start
+        self.received = 0
+
+    def cut_at(self) -> float | None:
+        if self.min_rate <= 0:
+            return None
+        return self.start + max(self.grace_s, self.received / self.min_rate)
+
+    def add(self, n: int) -> None:
+        self.received += n
 
 
 def is_s3(url: str) -> bool:
@@ -82,27 +106,28 @@ def recorded_url_of(url: str) -> str:
 
 
 async def fetch_audio(settings: Settings, guard: OutboundGuard, url: str, dest: Path,
-                      progress: Progress | None = None) -> Fetched:
+                      progress: Progress | None = None, owner: str | None = None) -> Fetched:
     """Download ``url`` to ``dest`` (fsynced), enforcing the limits while it streams. HTTP and
-    ``s3://`` alike hold one of the outbound guard's slots (in all, and per host or bucket)
-    while they run, waiting for one while they are all taken, within the fetch deadline."""
+    ``s3://`` alike hold one of the outbound guard's slots for ``owner`` (in all, at the
+    destination, of the key), waiting for one while they are all taken, within the fetch
+    deadline."""
     url = url.strip()
     deadline = time.monotonic() + settings.outbound.fetch_timeout_s
-    while True:
-        try:
-            if is_s3(url):
-                bucket = s3_checked(settings, url)[0]
-                with guard.slot(f"s3:{bucket}") as got:
-                    if not got:
-                        raise Overloaded("the outbound slots are taken", field="audio_url")
-                    return await asyncio.to_thread(fetch_s3, settings, url, dest, progress)
-            url = await guard.check_url(url, "audio_url")
-            return await fetch_http(settings, guard, url, dest, progress)
-        except Overloaded:  # only raised for taken slots, before a byte was read
-            if time.monotonic() + BUSY_WAIT_S > deadline:
-                raise FetchFailed("audio_url could not be fetched (busy)",
-                                  field="audio_url") from None
-            await asyncio.sleep(BUSY_WAIT_S)
+    try:
+        if is_s3(url):
+            bucket = s3_checked(settings, url)[0]
+            async with guard.slot(owner, f"s3:{bucket}", settings.outbound.fetch_timeout_s):
+                left = deadline - time.monotonic()
+                return await asyncio.to_thread(fetch_s3, settings, url, dest, progress, left)
+        url = await guard.check_url(url, "audio_url")
+        return await fetch_http(settings, guard, url, dest, progress, owner, deadline)
+    except OutboundError as exc:
+        if exc.category == "busy":  # no slot within the whole deadline
+            guard.cut_off("fetch", "busy")
+            raise FetchFailed("audio_url could not be fetched: this service's outbound slots "
+                              "stayed taken until its deadline; retry later",
+                              field="audio_url") from None
+        raise
 
 
 def too_large(limit: int) -> PayloadTooLarge:
@@ -145,40 +170,76 @@ class _Sink:
             self.file.close()
 
 
+class _CutOff(Exception):
+    """The download broke one of the rules while its body streamed (carried out of the
+    guard's stream untouched, then turned into the job's error)."""
+
+    def __init__(self, rule: str) -> None:
+        super().__init__(rule)
+        self.rule = rule
+
+
 async def fetch_http(settings: Settings, guard: OutboundGuard, url: str, dest: Path,
-                     progress: Progress | None = None) -> Fetched:
+                     progress: Progress | None = None, owner: str | None = None,
+                     deadline: float | None = None) -> Fetched:
+    out = settings.outbound
+    deadline = deadline if deadline is not None else time.monotonic() + out.fetch_timeout_s
+    host = urlsplit(url).hostname or "?"
     sink = await asyncio.to_thread(_Sink, dest, settings)
     ok = False
+    rule = RateRule(out.min_fetch_rate_bytes_s, out.fetch_rate_grace_s, time.monotonic())
+    answered = False  # the headers arrived: from here a slow server is named, not "unreachable"
+    left = max(0.0, deadline - time.monotonic())
     try:
-        async with guard.stream("GET", url, deadline_s=settings.outbound.fetch_timeout_s) as resp:
-            status = resp.status_code
-            if 300 <= status < 400:
-                raise BadRequest(f"audio_url answered with a redirect (HTTP {status}); redirects "
-                                 "are not followed: give the final URL", field="audio_url")
-            if status >= 500:
-                raise FetchFailed(f"audio_url answered HTTP {status}", field="audio_url")
-            if status >= 400:
-                raise BadRequest(f"audio_url answered HTTP {status}", field="audio_url")
-            declared = resp.headers.get("content-length", "")
-            if declared.isdigit() and int(declared) > sink.max_bytes:
-                raise too_large(sink.max_bytes)
+        # One deadline over the whole download, the wait for a slot included.
+        async with asyncio.timeout(left), guard.stream(
+                "GET", url, deadline_s=left, key=owner, wait_s=left,
+                answer_s=out.answer_timeout_s) as resp:
+            answered = True
+            rule.start = time.monotonic()
+            check_answer(resp.status_code, resp.headers.get("content-length", ""), sink.max_bytes)
             block = bytearray()
-            got = 0
-            async for chunk in resp.aiter_raw():
+            chunks = resp.aiter_raw()
+            while True:
+                cut = rule.cut_at()
+                try:
+                    async with asyncio.timeout(None if cut is None else cut - time.monotonic()):
+                        chunk = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                except TimeoutError:
+                    raise _CutOff("min_fetch_rate_bytes_s") from None
+                rule.add(len(chunk))
                 block += chunk
-                got += len(chunk)
                 if progress is not None:
-                    progress(got)
+                    progress(rule.received)
                 if len(block) >= WRITE_BLOCK or (not sink.probed and
                                                  sink.size + len(block) >= PROBE_AFTER_BYTES):
                     await asyncio.to_thread(sink.write, bytes(block))
                     block.clear()
             await asyncio.to_thread(sink.write, bytes(block))
         ok = True
+    except _CutOff as exc:
+        guard.cut_off("fetch", "min_rate")
+        raise FetchFailed(
+            f"audio_url's host {host} sent {rule.received} bytes in "
+            f"{time.monotonic() - rule.start:.0f} s, under this service's minimum transfer rate "
+            f"of {out.min_fetch_rate_bytes_s} bytes/s (outbound.min_fetch_rate_bytes_s); the "
+            "download was cut off", field="audio_url", rule=exc.rule) from None
+    except PayloadTooLarge:
+        guard.cut_off("fetch", "size")
+        raise
+    except TimeoutError:  # the whole deadline passed: waiting for a slot, or reading the body
+        if not answered:
+            raise FetchFailed("audio_url could not be fetched within this service's deadline of "
+                              f"{out.fetch_timeout_s:g} s (unreachable, or its outbound slots "
+                              "stayed busy)", field="audio_url", rule="fetch_timeout_s") from None
+        raise _deadline(guard, host, out.fetch_timeout_s) from None
     except OutboundError as exc:
+        if exc.category == "timeout" and answered:
+            raise _deadline(guard, host, out.fetch_timeout_s) from None
         if exc.category == "busy":
-            raise Overloaded("too many downloads from this host are in flight; retry shortly",
-                             headers={"Retry-After": "2"}, field="audio_url") from None
+            raise
         if exc.category in ("refused", "invalid_url"):
             raise BadRequest(f"audio_url could not be fetched ({exc.public})",
                              field="audio_url") from None
@@ -187,6 +248,26 @@ async def fetch_http(settings: Settings, guard: OutboundGuard, url: str, dest: P
     finally:
         await asyncio.to_thread(sink.close, ok)
     return Fetched(sink.size, file_name(urlsplit(url).path), recorded_url(url))
+
+
+def _deadline(guard: OutboundGuard, host: str, limit_s: float) -> FetchFailed:
+    guard.cut_off("fetch", "deadline")
+    return FetchFailed(f"audio_url's host {host} did not finish sending within this service's "
+                       f"deadline of {limit_s:g} s (outbound.fetch_timeout_s); the download was "
+                       "cut off", field="audio_url", rule="fetch_timeout_s")
+
+
+def check_answer(status: int, declared: str, max_bytes: int) -> None:
+    """The answer's status line and declared length, before its body is read."""
+    if 300 <= status < 400:
+        raise BadRequest(f"audio_url answered with a redirect (HTTP {status}); redirects "
+                         "are not followed: give the final URL", field="audio_url")
+    if status >= 500:
+        raise FetchFailed(f"audio_url answered HTTP {status}", field="audio_url")
+    if status >= 400:
+        raise BadRequest(f"audio_url answered HTTP {status}", field="audio_url")
+    if declared.isdigit() and int(declared) > max_bytes:
+        raise too_large(max_bytes)
 
 
 def s3_checked(settings: Settings, url: str) -> tuple[str, str]:
@@ -201,8 +282,10 @@ def s3_checked(settings: Settings, url: str) -> tuple[str, str]:
     return bucket, key
 
 
-def fetch_s3(settings: Settings, url: str, dest: Path, progress: Progress | None = None) -> Fetched:
-    """Blocking (boto3): runs on a worker thread."""
+def fetch_s3(settings: Settings, url: str, dest: Path, progress: Progress | None = None,
+             deadline_s: float | None = None) -> Fetched:
+    """Blocking (boto3): runs on a worker thread, within ``deadline_s`` (default: the whole
+    ``outbound.fetch_timeout_s``)."""
     bucket, key = s3_checked(settings, url)
     from botocore.config import Config
     from botocore.exceptions import BotoCoreError, ClientError
@@ -211,7 +294,7 @@ def fetch_s3(settings: Settings, url: str, dest: Path, progress: Progress | None
     client = s3_client(settings.storage.s3_endpoint_url, Config(
         connect_timeout=out.connect_timeout_s, read_timeout=min(60.0, out.fetch_timeout_s),
         retries={"max_attempts": 2}))
-    deadline = time.monotonic() + out.fetch_timeout_s
+    deadline = time.monotonic() + (out.fetch_timeout_s if deadline_s is None else deadline_s)
     sink = _Sink(dest, settings)
     ok = False
     try:

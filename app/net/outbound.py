@@ -5,7 +5,7 @@ Without it a ``callback_url`` of ``http://169.254.169.254/latest/meta-data/`` or
 raw outcome (shown in ``webhook.last_error``) turned it into a port scanner for clients. So:
 
 * **Addresses, not names, are judged.** A host is resolved and *every* address it has is checked
-  (:func:`address_problem`): loopback, private, link-local, CGNAT, ULA, multicast, reserved,
+  (app/net/addresses.py, :func:`address_problem`): loopback, private, link-local, CGNAT, ULA, multicast, reserved,
   IPv4-mapped/-compatible IPv6, IPv6 that embeds such an IPv4 (6to4, NAT64, Teredo) and cloud
   metadata addresses are refused unless ``outbound.allowed_hosts`` or ``allow_private`` says
   otherwise. ``http://2130706433/`` and ``http://0x7f.1/`` are 127.0.0.1 to the resolver, so
@@ -18,7 +18,8 @@ raw outcome (shown in ``webhook.last_error``) turned it into a port scanner for 
 * **Bounded.** No redirects, no proxies from the environment, no connection reuse; one total
   deadline per attempt (resolve, connect, send, answer); at most ``max_answer_bytes`` of a
   webhook's answer is read (a receiver trickling an endless body holds nothing); requests in
-  flight are capped in all and per host.
+  flight are capped in all, per destination *address*, per API key and per key at one address,
+  and granted fairly between keys (app/net/slots.py).
 * **Coarse errors.** Clients see a category (``refused``, ``timeout``, ``connect_failed``...),
   never an address, a port's state or exception text; the log has the detail.
 """
@@ -26,13 +27,13 @@ raw outcome (shown in ``webhook.last_error``) turned it into a port scanner for 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ipaddress
 import logging
-import socket
 import ssl
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -42,47 +43,20 @@ import httpx
 
 from app.config import OutboundSettings
 from app.errors import BadRequest
+from app.net.addresses import (
+    HostRules,
+    IPAddress,
+    address_problem,
+    literal_ip,
+    system_resolver,
+)
+from app.net.slots import Key, Slots
 
 log = logging.getLogger(__name__)
 
-IPAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 Resolver = Callable[[str, int], Awaitable[list[str]]]
-
-# Instance metadata services: AWS/GCP/Azure/OpenStack (and AWS's IPv6 one), Alibaba, Azure's
-# wireserver (a public address!), Oracle; AWS ECS/EKS task credentials (169.254.170.2, and
-# 169.254.170.23 for EKS Pod Identity). Refused even with allow_private.
-METADATA = frozenset(ipaddress.ip_address(a) for a in (
-    "169.254.169.254", "fd00:ec2::254", "100.100.100.200", "168.63.129.16", "192.0.0.192",
-    "169.254.170.2", "169.254.170.23"))
-NAT64 = ipaddress.ip_network("64:ff9b::/96")
 RESOLVE_TIMEOUT_S = 5.0
 USER_AGENT = "batchscribe/1"
-
-
-def address_problem(ip: IPAddress) -> str | None:
-    """Why the service must not connect to ``ip`` by default; None for a public unicast one."""
-    if ip in METADATA:
-        return "metadata"
-    if isinstance(ip, ipaddress.IPv6Address):
-        if ip.ipv4_mapped is not None:
-            return "ipv4_mapped"
-        if int(ip) >> 32 == 0:  # ::a.b.c.d (IPv4-compatible, deprecated), ::, ::1
-            return "ipv4_compatible"
-        embedded = ip.sixtofour or (ip.teredo[1] if ip.teredo else None)
-        if ip in NAT64:
-            embedded = ipaddress.IPv4Address(int(ip) & 0xFFFFFFFF)
-        if embedded is not None and address_problem(embedded) is not None:
-            return "embedded_private"
-        if ip.is_site_local:
-            return "private"
-    if ip.is_multicast:
-        return "multicast"
-    if ip.is_loopback:
-        return "loopback"
-    if not ip.is_global or ip.is_private or ip.is_reserved or ip.is_unspecified or ip.is_link_local:
-        return "private"
-    return None
 
 
 class Refused(Exception):
@@ -121,57 +95,6 @@ class Answer:
     body: bytes  # at most the read cap
 
 
-@dataclass(frozen=True)
-class HostRules:
-    """``allowed_hosts`` parsed: exact names, '.domain' suffixes, and address networks."""
-
-    names: frozenset[str]
-    suffixes: tuple[str, ...]
-    networks: tuple[Network, ...]
-
-    @classmethod
-    def parse(cls, entries: Sequence[str]) -> HostRules:
-        names, suffixes, nets = set(), [], []
-        for raw in entries:
-            e = raw.strip().lower().rstrip(".")
-            if not e:
-                continue
-            try:
-                nets.append(ipaddress.ip_network(e.strip("[]"), strict=False))
-                continue
-            except ValueError:
-                pass
-            if e.startswith("."):
-                suffixes.append(e)
-            else:
-                names.add(e)
-        return cls(frozenset(names), tuple(suffixes), tuple(nets))
-
-    @property
-    def empty(self) -> bool:
-        return not (self.names or self.suffixes or self.networks)
-
-    def name_listed(self, host: str) -> bool:
-        h = host.lower().rstrip(".")
-        return h in self.names or any(h == s[1:] or h.endswith(s) for s in self.suffixes)
-
-    def address_listed(self, ip: IPAddress) -> bool:
-        return any(ip.version == n.version and ip in n for n in self.networks)
-
-
-async def system_resolver(host: str, port: int) -> list[str]:
-    """The addresses ``getaddrinfo`` gives (glibc also reads '2130706433' or '0x7f.1' as IPv4)."""
-    infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    return [str(info[4][0]) for info in infos]
-
-
-def literal_ip(host: str) -> IPAddress | None:
-    try:
-        return ipaddress.ip_address(host.strip("[]").split("%")[0])
-    except ValueError:
-        return None
-
-
 class OutboundGuard:
     """Checks destinations and makes bounded requests to them (one per app, shared)."""
 
@@ -180,8 +103,9 @@ class OutboundGuard:
         self.settings = settings
         self.rules = HostRules.parse(settings.allowed_hosts)
         self._resolve = resolver or system_resolver
-        self._in_flight: Counter[str] = Counter()
-        self._total = 0
+        self.slots = Slots(settings.max_in_flight, settings.max_per_host, settings.max_per_key,
+                           settings.max_per_host_per_key)
+        self.cut_offs: Counter[tuple[str, str]] = Counter()  # (kind, rule) -> requests cut off
         pool = httpcore.AsyncConnectionPool(
             ssl_context=ssl_context or httpx.create_ssl_context(),
             max_keepalive_connections=0,  # a connection per request: nothing lingers in a pool
@@ -260,29 +184,39 @@ class OutboundGuard:
 
     # ---- in-flight caps ------------------------------------------------------------------------
     def free(self) -> int:
-        return max(0, self.settings.max_in_flight - self._total)
+        return self.slots.free()
 
-    @contextmanager
-    def slot(self, host: str) -> Iterator[bool]:
-        """Take a slot for ``host`` if the caps allow: yields False (and takes none) when full."""
-        key = host.lower()
-        if self._total >= self.settings.max_in_flight or \
-                self._in_flight[key] >= self.settings.max_per_host:
-            yield False
-            return
-        self._total += 1
-        self._in_flight[key] += 1
+    def cut_off(self, kind: str, rule: str) -> None:
+        """Count a request this service cut off by one of its rules (the metrics read it)."""
+        self.cut_offs[(kind, rule)] += 1
+
+    async def destination(self, url: str) -> str:
+        """The slot key of ``url``'s host: the first address it resolves to (checked), so the
+        names of one address share its slots (raises :class:`OutboundError` ``refused``)."""
+        parts = urlsplit(url)
+        host = (parts.hostname or "").lower()
         try:
-            yield True
+            port = parts.port or (443 if parts.scheme == "https" else 80)
+            return f"addr:{(await self.addresses(host, port))[0]}"
+        except (Refused, ValueError) as exc:
+            raise OutboundError("refused", str(exc)) from None
+
+    @asynccontextmanager
+    async def slot(self, key: Key, dest: str, wait_s: float = 0.0,
+                   kind: str = "fetch") -> AsyncIterator[None]:
+        """Hold one slot for ``key`` at ``dest``, waiting up to ``wait_s`` for it; raises
+        :class:`OutboundError` ``busy`` when none came."""
+        if not await self.slots.acquire(key, dest, wait_s, kind):
+            raise OutboundError("busy", f"outbound slots for {dest!r} at their caps")
+        try:
+            yield
         finally:
-            self._total -= 1
-            self._in_flight[key] -= 1
-            if self._in_flight[key] <= 0:
-                del self._in_flight[key]
+            self.slots.release(key, dest, kind)
 
     # ---- requests --------------------------------------------------------------------------------
     async def send(self, method: str, url: str, *, deadline_s: float, max_bytes: int,
-                   content: bytes | None = None, headers: dict[str, str] | None = None) -> Answer:
+                   content: bytes | None = None, headers: dict[str, str] | None = None,
+                   key: Key = None, wait_s: float = 0.0, kind: str = "webhook") -> Answer:
         """One bounded request: at most ``max_bytes`` of the body is read, all within
         ``deadline_s``; raises :class:`OutboundError` with a coarse category."""
         body = bytearray()
@@ -294,7 +228,7 @@ class OutboundGuard:
 
         try:
             async with self.stream(method, url, deadline_s=deadline_s, content=content,
-                                   headers=headers) as resp:
+                                   headers=headers, key=key, wait_s=wait_s, kind=kind) as resp:
                 got.append(resp)
                 if max_bytes > 0:
                     await read_body(resp, keep)
@@ -307,17 +241,27 @@ class OutboundGuard:
 
     @asynccontextmanager
     async def stream(self, method: str, url: str, *, deadline_s: float,
-                     content: bytes | None = None,
-                     headers: dict[str, str] | None = None) -> AsyncIterator[httpx.Response]:
+                     content: bytes | None = None, headers: dict[str, str] | None = None,
+                     key: Key = None, wait_s: float = 0.0, answer_s: float | None = None,
+                     kind: str = "fetch") -> AsyncIterator[httpx.Response]:
         """The response with its body unread, inside one total deadline that also covers what
-        the caller reads (errors as :class:`OutboundError`)."""
-        host = (urlsplit(url).hostname or "").lower()
-        with self.slot(host) as got:
-            if not got:
-                raise OutboundError("busy", f"outbound requests to {host!r} at their cap")
+        the caller reads (errors as :class:`OutboundError`), holding a slot of ``key``'s at the
+        URL's address (waiting up to ``wait_s`` for one; the deadline starts once it holds
+        one). The answer's headers must come within ``answer_s`` too (the deadline if None)."""
+        async with self.slot(key, await self.destination(url), wait_s, kind):
             try:
-                async with asyncio.timeout(deadline_s), self.client.stream(
-                        method, url, content=content, headers=headers) as resp:
+                async with asyncio.timeout(deadline_s), contextlib.AsyncExitStack() as stack:
+                    try:
+                        async with asyncio.timeout(answer_s):
+                            resp = await stack.enter_async_context(self.client.stream(
+                                method, url, content=content, headers=headers))
+                    except (httpx.HTTPError, TimeoutError, Refused):
+                        raise
+                    except Exception as exc:  # anything else the request itself raised:
+                        # anyio 4 raised AttributeError (getpeername of a socket the peer had
+                        # just reset) from inside httpcore's connect, and the job read "internal
+                        # error". A failed request, whatever the library says.
+                        raise OutboundError("failed", f"{type(exc).__name__}: {exc}") from None
                     yield resp
             except (httpx.HTTPError, TimeoutError, Refused) as exc:
                 # The request's own failures; the caller's exceptions pass through untouched.
