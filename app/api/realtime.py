@@ -13,6 +13,7 @@ OpenAI's ephemeral keys (``{value, expires_at, session}``); it opens live sessio
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 from typing import Annotated, Any
@@ -28,6 +29,7 @@ from app.jobs.door import Door, LiveCall
 
 router = APIRouter(tags=["live"], route_class=OpenAIRoute)  # errors in OpenAI's shape
 INTENTS = ("transcription",)
+CLOSE_WAIT_S = 5.0
 JOB_HEADER = "x-batchscribe-job"
 
 
@@ -79,8 +81,11 @@ async def realtime(ws: WebSocket, intent: str | None = None,
                                        session=signer.session_of(ws.scope)))
     except WebSocketDisconnect:
         return
-    with contextlib.suppress(RuntimeError, WebSocketDisconnect):  # the client closed first
-        await ws.close(end.code)
+    # The client closed first (or stopped reading: the close frame cannot go out, and the
+    # handler must not wait on a client that never reads; the server drops the connection).
+    with contextlib.suppress(RuntimeError, WebSocketDisconnect, TimeoutError):
+        async with asyncio.timeout(CLOSE_WAIT_S):
+            await ws.close(end.code)
 
 
 @router.post("/v1/realtime/client_secrets",

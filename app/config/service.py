@@ -340,6 +340,20 @@ class LiveSettings(BaseModel):
     max_pending_finals: int = Field(
         4, ge=1, description="Turns decoding at once per session; appends wait beyond (a client "
         "faster than real time is slowed to the engine's pace, not buffered).")
+    max_outbox_bytes: int = Field(
+        1024 * 1024, ge=64 * 1024, le=1 << 30,
+        description="Events (as JSON) queued for a client that does not read them; past this "
+        "the session is closed with 1008. Issue 51: unbounded, 30 events echoing a 1 MB "
+        "event_id left ~57 MB in the service for the session's hour.")
+    max_speed: float = Field(
+        4.0, ge=1.0, le=1000.0,
+        description="Times real time a session may send audio once its burst_s is spent; "
+        "faster appends wait (the socket is not read meanwhile). Silence sent at network "
+        "speed kept the two shared live threads running Silero for every session.")
+    burst_s: float = Field(
+        30.0, gt=0, le=3600.0,
+        description="Audio seconds a session may send ahead of max_speed at once (a client "
+        "catching up after a stall, a file streamed in).")
     model: str = Field("whisper-base", description="The model name sessions report.")
     session_ttl_s: int = Field(3600, ge=1, description="expires_at of the session object.")
     keep_as_job: bool = Field(True, description="Keep each session's transcript as a job "

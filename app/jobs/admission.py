@@ -78,6 +78,8 @@ class Admission:
         self._key_s: defaultdict[str | None, float] = defaultdict(float)
         self._key_jobs: defaultdict[str | None, int] = defaultdict(int)
         self._key_load: dict[str | None, tuple[float, float, int]] = {}
+        # Audio of a key's live sessions here not transcribed yet (app/jobs/live.py sets it).
+        self.live_s: Callable[[str | None], float] = lambda owner: 0.0
 
     def cost_of(self, audio_s: float) -> float:
         """What a job costs in every budget: its audio, but at least one padded window."""
@@ -113,8 +115,8 @@ class Admission:
                 for k in sorted(cache, key=lambda k: cache[k][0])[:KEY_CACHE_MAX // 2]:
                     del cache[k]
         moving = self.transfers.count(owner)  # each at least one padded window, not yet admitted
-        return (seconds + self._key_s[owner] + moving * self.settings.min_job_s(),
-                jobs + self._key_jobs[owner] + moving)
+        return (seconds + self._key_s[owner] + moving * self.settings.min_job_s()
+                + self.live_s(owner), jobs + self._key_jobs[owner] + moving)
 
     async def admit_key(self, owner: str | None, cost_s: float, max_age_s: float = 0.0) -> None:
         """429 (Retry-After, naming the limit) when this API key already holds its share: so
@@ -142,6 +144,20 @@ class Admission:
                 headers={"Retry-After": str(retry)}, retry_after_s=retry,
                 limit="max_queued_s_per_key", limit_s=lim.max_queued_s_per_key,
                 queued_s=round(seconds, 1))
+
+    async def live_room(self, owner: str | None, seconds: float) -> str | None:
+        """Why ``seconds`` more live audio of ``owner``'s does not fit its key's share (None:
+        it does). Only with keys, as for uploads; a store answer up to GATE_MAX_AGE_S old does."""
+        if not self.settings.security.api_key_sha256:
+            return None
+        limit = self.settings.limits.max_queued_s_per_key
+        queued, _ = await self.key_load(owner, GATE_MAX_AGE_S)
+        if queued + seconds <= limit:
+            return None
+        self._metrics.rejected.labels("key_audio").inc()
+        return (f"This API key holds {queued:.0f} s of audio queued or being transcribed, live "
+                f"audio included (limit {limit:.0f} s per key): this append was dropped; send "
+                "it again once earlier turns are transcribed.")
 
     async def gate(self, owner: str | None) -> None:
         """The pre-body check: 429 while even the shortest upload would not fit."""

@@ -74,6 +74,7 @@ class Core:
         self._intake = Intake(settings, store, blobs, outbound, self._admission,
                               runner.submit, self._fetches)
         self._live = live
+        live.share(self._admission)  # its sessions' audio counts in their keys' shares
         self._hub = EventHub(settings.limits.max_event_streams_per_key, self._read,
                              runner.watch, lambda: runner.stopped)
         metrics.watch_outbound(outbound.slots.by_kind, lambda: dict(outbound.cut_offs))

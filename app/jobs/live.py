@@ -8,7 +8,15 @@ module only moves bytes.
 
 * **Admission.** ``live.max_sessions`` on this replica and ``live.max_sessions_per_key`` per
   tenant: past either, the socket is accepted, gets one ``error`` event (``session_limit``) and
-  is closed: a WebSocket client sees why, where a refused handshake shows only "403".
+  is closed: a WebSocket client sees why, where a refused handshake shows only "403". The slot
+  is taken before the first ``await`` and given back however the handshake ends: issue 51 sent
+  six handshakes at once with a limit of 1 and four sessions opened (the count was checked,
+  the ``callback_url`` lookup awaited, then the count raised).
+* **The key's share.** A session's audio not yet transcribed (its open turn, its finals
+  decoding) counts in its key's ``limits.max_queued_s_per_key`` like queued uploads
+  (:meth:`LiveHall.pending_s`, read by app/jobs/admission.py), and an append past the share
+  is answered with an error event instead of taken: live finals go before every upload, and
+  uncounted, 4 commits x 16 sessions of one key could queue ~26 h of audio.
 * **Audio work** (base64, G.711, resampling, Silero) runs on this module's own two threads, not
   the prep pool: the prep pool runs an upload's 60 s chunks (decode + VAD, about a second each
   on this CPU) in rank order, and a 100 ms append must not wait behind one.
@@ -24,6 +32,7 @@ module only moves bytes.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from collections import Counter
@@ -35,6 +44,7 @@ from app.audio.vad import Vad
 from app.batching.batcher import Batcher
 from app.config import Settings
 from app.errors import ServiceError
+from app.jobs.admission import Admission
 from app.jobs.door import LiveCall, LiveEnd
 from app.jobs.intake import new_job_id
 from app.jobs.store import JobStore
@@ -57,9 +67,13 @@ class LiveHall:
     """The open sessions of this replica, and what opens and keeps them."""
 
     def __init__(self, settings: Settings, metrics: Metrics, store: JobStore, batcher: Batcher,
-                 vad: Vad, outbound: OutboundGuard,
-                 ended: Callable[[str, str], None]) -> None:
+                 vad: Vad, outbound: OutboundGuard, ended: Callable[[str, str], None],
+                 admission: Admission | None = None) -> None:
         self.settings = settings
+        self._admission: Admission | None = None
+        self._sessions: dict[str | None, set[LiveSession]] = {}
+        if admission is not None:
+            self.share(admission)
         self._metrics, self._store, self._batcher = metrics, store, batcher
         self._vad: VadModel | None = vad if hasattr(vad, "probability_stream") else None  # type: ignore[assignment]
         self._outbound = outbound
@@ -78,38 +92,66 @@ class LiveHall:
         """Accept the socket and run one session on it to its end."""
         live = self.settings.live
         job_id = new_job_id() if live.keep_as_job else None
-        await call.accept({"x-batchscribe-job": job_id} if job_id else {})
         refusal = self._refusal(call.owner)
-        if refusal is not None:
-            self._metrics.live_refused.labels(refusal[0]).inc()
-            await call.send(ErrorEvent.of(ProtocolError(refusal[1], code="session_limit",
-                                                        type="invalid_request_error")).as_dict())
-            return LiveEnd("session_limit", None, CLOSE_TRY_LATER)
+        if refusal is None:  # reserved before any await; given back however this ends
+            self._open[call.owner] += 1
+            self._metrics.live_sessions.inc()
         try:
-            callback = await self._callback(call.callback_url)
-        except Exception as exc:  # a refused callback_url: say why, open nothing
-            message = exc.message if isinstance(exc, ServiceError) else "callback_url refused"
-            await call.send(ErrorEvent.of(ProtocolError(message, code="invalid_value",
-                                                        param="callback_url")).as_dict())
-            return LiveEnd("invalid_callback_url", None, CLOSE_POLICY)
-        self._open[call.owner] += 1
-        self._metrics.live_sessions.inc()
+            await call.accept({"x-batchscribe-job": job_id} if job_id else {})
+            if refusal is not None:
+                self._metrics.live_refused.labels(refusal[0]).inc()
+                await call.send(ErrorEvent.of(ProtocolError(
+                    refusal[1], code="session_limit", type="invalid_request_error")).as_dict())
+                return LiveEnd("session_limit", None, CLOSE_TRY_LATER)
+            try:
+                callback = await self._callback(call.callback_url)
+            except Exception as exc:  # a refused callback_url: say why, open nothing
+                message = exc.message if isinstance(exc, ServiceError) else "callback_url refused"
+                await call.send(ErrorEvent.of(ProtocolError(message, code="invalid_value",
+                                                            param="callback_url")).as_dict())
+                return LiveEnd("invalid_callback_url", None, CLOSE_POLICY)
+            return await self._run(call, job_id, callback)
+        finally:
+            if refusal is None:
+                self._open[call.owner] -= 1
+                if not self._open[call.owner]:
+                    del self._open[call.owner]
+                self._metrics.live_sessions.dec()
+
+    async def _run(self, call: LiveCall, job_id: str | None, callback: str | None) -> LiveEnd:
         started = time.time()
-        session = LiveSession(self._decoder(call.owner), self._vad, live, self._executor,
-                              initial=call.session)
+        session = LiveSession(self._decoder(call.owner), self._vad, self.settings.live,
+                              self._executor, initial=call.session,
+                              admit=functools.partial(self._admit, call.owner))
+        mine = self._sessions.setdefault(call.owner, set())
+        mine.add(session)
         try:
             arrived = [0.0]  # when the client's latest message came in
             reason = await serve(session, timed_receive(call, arrived),
                                  self._timed_send(call, arrived))
         finally:
-            self._open[call.owner] -= 1
-            if not self._open[call.owner]:
-                del self._open[call.owner]
-            self._metrics.live_sessions.dec()
+            mine.discard(session)
+            if not mine:
+                self._sessions.pop(call.owner, None)
             if job_id is not None:  # shielded: a cancelled handler still keeps what was said
                 await asyncio.shield(self._keep(job_id, call.owner, callback, session, started))
         code = CLOSE_NORMAL if reason == "disconnected" else CLOSE_POLICY
         return LiveEnd(reason, job_id, code)
+
+    def share(self, admission: Admission) -> None:
+        """Count this hall's untranscribed live audio in its keys' shares (and ask the shares
+        before each append): the core's admission, built after the hall."""
+        self._admission = admission
+        admission.live_s = self.pending_s
+
+    def pending_s(self, owner: str | None) -> float:
+        """Audio of ``owner``'s sessions here not transcribed yet (their key's share counts it)."""
+        return sum(s.pending_s() for s in self._sessions.get(owner, ()))
+
+    async def _admit(self, owner: str | None, seconds: float) -> str | None:
+        if self._admission is None:
+            return None
+        return await self._admission.live_room(owner, seconds)
 
     # ---- admission ------------------------------------------------------------------------------
     def _refusal(self, owner: str | None) -> tuple[str, str] | None:

@@ -173,9 +173,20 @@ class ProtocolError:
                 "param": self.param, "event_id": self.event_id}
 
 
+MAX_ECHO = 256  # characters of a client's own id, name or value an error event repeats
+
+
+def short(text: str, limit: int = MAX_ECHO) -> str:
+    """What an error may echo of a client's string. Issue 51: 30 events with a 1 MB
+    ``event_id`` each, sent in 0.5 s by a client that never read, left ~57 MB of error events
+    queued inside the service; echoed, they are cut to ``MAX_ECHO`` characters."""
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
 def parse_client_event(raw: str | bytes, max_bytes: int = MAX_EVENT_BYTES
                        ) -> SessionUpdate | Append | Commit | Clear | ProtocolError:
-    """One WebSocket message as a client event, or the error to answer it with."""
+    """One WebSocket message as a client event, or the error to answer it with (which echoes
+    at most ``MAX_ECHO`` characters of anything the client sent)."""
     if len(raw) > max_bytes:
         return ProtocolError(f"Event of {len(raw)} bytes exceeds the maximum of {max_bytes} bytes.",
                              code="event_too_large")
@@ -185,13 +196,13 @@ def parse_client_event(raw: str | bytes, max_bytes: int = MAX_EVENT_BYTES
         return ProtocolError(f"The event is not valid JSON: {exc}", code="invalid_json")
     if not isinstance(data, dict):
         return ProtocolError("An event must be a JSON object.", code="invalid_json")
-    event_id = data.get("event_id") if isinstance(data.get("event_id"), str) else None
+    event_id = short(data["event_id"]) if isinstance(data.get("event_id"), str) else None
     kind = data.get("type")
     if not isinstance(kind, str):
         return ProtocolError("Missing required parameter: 'type'.",
                              code="missing_required_parameter", param="type", event_id=event_id)
     if kind not in KNOWN:
-        return ProtocolError(f"Invalid value: '{kind[:100]}'. Supported values are: "
+        return ProtocolError(f"Invalid value: '{short(kind, 100)}'. Supported values are: "
                              + ", ".join(f"'{k}'" for k in KNOWN) + ".",
                              code="invalid_value", param="type", event_id=event_id)
     try:
@@ -228,7 +239,7 @@ def _from_validation(exc: ValidationError, kind: str, event_id: str | None) -> P
     loc = [str(p) for p in err["loc"] if not (kind and str(p) == kind)]
     # Discriminated unions put the tag in the path (format -> 'audio/pcm' -> rate): drop it.
     loc = [p for p in loc if not p.startswith("audio/") and p not in ("server_vad", "semantic_vad")]
-    param = ".".join(loc) or None
+    param = short(".".join(loc)) or None
     etype = err["type"]
     if etype == "extra_forbidden":
         return ProtocolError(f"Unknown parameter: '{param}'.", code="unknown_parameter",
@@ -240,6 +251,7 @@ def _from_validation(exc: ValidationError, kind: str, event_id: str | None) -> P
         return ProtocolError(f"Invalid type for '{param}': {err['msg']}.", code="invalid_type",
                              param=param, event_id=event_id)
     value = err.get("input")
-    shown = value if isinstance(value, (int, float, str, bool)) or value is None else "..."
+    shown = (short(value, 100) if isinstance(value, str) else value
+             if isinstance(value, (int, float, bool)) or value is None else "...")
     return ProtocolError(f"Invalid value for '{param}': {shown!r}. {err['msg']}.",
                          code="invalid_value", param=param, event_id=event_id)

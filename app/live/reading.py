@@ -14,6 +14,7 @@ client; this module decides how a turn's audio becomes text.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Coroutine
@@ -54,6 +55,29 @@ class Reader:
                 and end - p.start <= self.limits.context_max_s * rate):
             return self._continued(buf.slice(p.start, end), audio, replace(opts, prefix=p.text))
         return self.decoded(audio, opts, "final")
+
+    async def settle(self, audio: np.ndarray, opts: LiveOptions, early: asyncio.Task[str] | None,
+                     fresh: Coroutine[Any, Any, str] | None, before: asyncio.Task[None] | None
+                     ) -> tuple[str | None, Exception | None]:
+        """A closed turn's text (or why it has none): ``early``, the decode started at the pause
+        (the audio since is silence), or else ``fresh``, the decode of a turn of one window
+        (:meth:`final`); without either, or if the early one failed, the turn read in windows.
+        Returns once the turn before (``before``) has settled: completed events in turn order."""
+        error: Exception | None = None
+        text: str | None = None
+        if early is not None:
+            with contextlib.suppress(Exception):
+                text = await early
+        try:
+            if text is None and fresh is not None:
+                text = await fresh
+            elif text is None:
+                text = await self.windows(audio, opts)
+        except Exception as exc:
+            error = exc
+        if before is not None:
+            await asyncio.wait({before})
+        return text, error
 
     async def windows(self, audio: np.ndarray, opts: LiveOptions) -> str:
         """A turn longer than one window, read in windows and joined."""

@@ -15,13 +15,16 @@ Audio work (base64, G.711, resampling, Silero) runs in ``executor``, never on th
 decodes go through :class:`~app.live.decoding.Decode`. Turns, how they are read, interim text
 and the event order: app/live/turns.py, reading.py, agreement.py, events.py.
 A client faster than real time is slowed, not buffered: an append waits while
-``max_pending_finals`` turns are decoding (the socket is then not read).
+``max_pending_finals`` turns are decoding, or while it runs ahead of ``live.max_speed`` x real
+time (the socket is then not read). What a session holds is bounded (app/live/bounds.py): its
+outgoing events in bytes (past them it ends, ``outbox_full``), its uncommitted audio by
+``max_buffer_s`` (judged before an append is decoded, on a turn's first append too), and its
+audio waiting for a transcript counts in its key's queued-seconds share (``admit``).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
@@ -32,6 +35,17 @@ import numpy as np
 
 from app.errors import ServiceError
 from app.live.audio import AudioDecoder, BadAudio, ChunkBuffer, b64decode
+from app.live.bounds import (
+    Outbox,
+    Overflowed,
+    Pace,
+    Receive,
+    append_seconds,
+    buffer_full,
+    first_of,
+    over_buffer,
+    serve,
+)
 from app.live.config import LiveLimits, SessionConfig, wall_clock
 from app.live.decoding import Decode, demote
 from app.live.events import (
@@ -65,18 +79,24 @@ from app.windows import N_SAMPLES, SAMPLE_RATE
 log = logging.getLogger(__name__)
 MIN_COMMIT = SAMPLE_RATE // 10  # OpenAI refuses to commit less than 100 ms
 T = TypeVar("T")
-Receive = Callable[[], Awaitable[str | bytes | None]]
+__all__ = ["Admit", "LiveSession", "Receive", "serve"]
+# Audio seconds an append adds to its key's share -> why it does not fit (None: it does).
+Admit = Callable[[float], Awaitable[str | None]]
 
 
 class LiveSession:
     def __init__(self, decode: Decode, vad: VadModel | None, limits: LiveLimits | None = None,
                  executor: Executor | None = None, session_id: str | None = None,
-                 initial: dict[str, Any] | None = None) -> None:
+                 initial: dict[str, Any] | None = None, admit: Admit | None = None) -> None:
         """``initial``: the session a client secret was minted for (app/live/protocol.py
-        :func:`parse_session`, as stored in the secret): ``session.created`` already shows it."""
+        :func:`parse_session`, as stored in the secret): ``session.created`` already shows it.
+        ``admit``: the key's share, asked before each append's audio is taken."""
         self.id = session_id or new_id("sess")
         self.limits = limits or LiveLimits()
-        self.outbox: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+        self.outbox = Outbox(self.limits.max_outbox_bytes)
+        self._pace = Pace(self.limits.max_speed, self.limits.burst_s)
+        self._admit = admit
+        self._finals_s = 0.0  # audio of the turns whose finals are decoding
         self.config = SessionConfig()
         if initial is not None:
             self.config.apply(TranscriptionSession.model_validate(initial))
@@ -101,11 +121,18 @@ class LiveSession:
         started = loop.time()
         self._emit(SessionCreated(session=self.config.as_session(self.id, self.limits, self._created)))
         reason = "disconnected"
+        overflow = asyncio.ensure_future(self.outbox.overflowed.wait())
         try:
             while True:
                 left = started + self.limits.max_session_s - loop.time()
                 try:
-                    msg = await asyncio.wait_for(receive(), min(self.limits.idle_timeout_s, left))
+                    msg = await first_of(receive(), overflow,
+                                         min(self.limits.idle_timeout_s, left))
+                except Overflowed:
+                    reason = "outbox_full"
+                    log.info("live session %s: %d bytes of events unread; closing", self.id,
+                             self.outbox.bytes)
+                    break
                 except TimeoutError:
                     expired = loop.time() - started >= self.limits.max_session_s
                     reason = "session_expired" if expired else "idle_timeout"
@@ -117,8 +144,16 @@ class LiveSession:
                     break
                 await self.handle(msg)
         finally:
+            overflow.cancel()
             await self._wind_down()
         return reason
+
+    def pending_s(self) -> float:
+        """Audio this session holds that is not transcribed yet: its open turn's and that of
+        the turns whose finals are decoding (counted in its key's queued-seconds share)."""
+        t = self._turn
+        held = (self._buf.end - t.start) / SAMPLE_RATE if t is not None else 0.0
+        return held + self._finals_s
 
     async def handle(self, raw: str | bytes) -> None:
         """One client message; never raises for anything the client sent."""
@@ -158,19 +193,24 @@ class LiveSession:
     async def _append(self, ev: Append) -> None:
         while len(self._finals) >= self.limits.max_pending_finals:
             await asyncio.wait(set(self._finals), return_when=asyncio.FIRST_COMPLETED)
+        seconds = append_seconds(ev.audio, self.config.format)
+        if self._over_buffer(round(seconds * SAMPLE_RATE)):  # before a byte is decoded
+            self._buffer_full(ev)
+            return
+        if self._admit is not None and (why := await self._admit(seconds)) is not None:
+            self._error(ProtocolError(why, code="rate_limit_exceeded", param="audio",
+                                      event_id=ev.event_id))
+            return
+        if (wait := self._pace.delay(seconds)) > 0:  # ahead of max_speed: slowed, not refused
+            await asyncio.sleep(wait)
         try:
             samples, edges = await self._offload(self._ingest, ev.audio)
         except BadAudio as exc:
             self._error(ProtocolError(str(exc), code="invalid_value", param="audio",
                                       event_id=ev.event_id))
             return
-        t = self._turn
-        if self._turns is None and t is not None \
-                and self._buf.end + samples.size - t.start > self.limits.max_buffer_s * SAMPLE_RATE:
-            self._error(ProtocolError(
-                f"The input audio buffer holds {self.limits.max_buffer_s:.0f} s, its maximum: "
-                "commit it (or clear it); this append was dropped.",
-                code="input_audio_buffer_full", param="audio", event_id=ev.event_id))
+        if self._over_buffer(samples.size):
+            self._buffer_full(ev)
             return
         at = self._buf.end
         self._buf.append(samples)
@@ -180,6 +220,14 @@ class LiveSession:
             self._edge(e)
         self._maybe_interim()
         self._trim()
+
+    def _over_buffer(self, samples: int) -> bool:
+        t = self._turn
+        return over_buffer(self.limits.max_buffer_s, self._turns is None, self._buf.end,
+                           t.start if t is not None else None, samples)
+
+    def _buffer_full(self, ev: Append) -> None:
+        self._error(buffer_full(self.limits.max_buffer_s, ev.event_id))
 
     def _commit(self, ev: Commit) -> None:
         t = self._turn
@@ -256,30 +304,19 @@ class LiveSession:
         task = asyncio.create_task(self._final(t, item, audio, self._last_final, early, fresh,
                                                self._previous))
         self._finals.add(task)
-        task.add_done_callback(self._finals.discard)
+        self._finals_s += audio.size / SAMPLE_RATE
+        task.add_done_callback(functools.partial(self._final_done, audio.size / SAMPLE_RATE))
         self._last_final = task
+
+    def _final_done(self, seconds: float, task: asyncio.Task[None]) -> None:
+        self._finals.discard(task)
+        self._finals_s = max(0.0, self._finals_s - seconds)
 
     async def _final(self, t: Turn, item: LiveItem, audio: np.ndarray,
                      before: asyncio.Task[None] | None, early: asyncio.Task[str] | None,
                      fresh: Coroutine[Any, Any, str] | None, mine: Previous) -> None:
-        """``early``: the decode started at the pause (the audio since is silence), or else
-        ``fresh``: the decode of a turn of one window (:meth:`Reader.final`); without either,
-        or if the early one failed, the turn is read in windows."""
-        opts = self.config.options()
-        error: Exception | None = None
-        text: str | None = None
-        if early is not None:
-            with contextlib.suppress(Exception):
-                text = await early
-        try:
-            if text is None and fresh is not None:
-                text = await fresh
-            elif text is None:
-                text = await self._read.windows(audio, opts)
-        except Exception as exc:
-            error = exc
-        if before is not None:  # completed events in turn order
-            await asyncio.wait({before})
+        """Read the closed turn (:meth:`Reader.settle`) and tell the client, in turn order."""
+        text, error = await self._read.settle(audio, self.config.options(), early, fresh, before)
         if error is not None:
             item.error = f"{type(error).__name__}: {error}"
             log.warning("live session %s: final decode failed: %s", self.id, item.error)
@@ -350,7 +387,7 @@ class LiveSession:
         return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _emit(self, event: ServerEvent) -> None:
-        self.outbox.put_nowait(event.as_dict())
+        self.outbox.put(event.as_dict())  # past the bound: dropped, and the session ends
 
     def _error(self, err: ProtocolError) -> None:
         self.counts["errors"] += 1
@@ -373,26 +410,4 @@ class LiveSession:
                 task.cancel()
             raise
         finally:
-            self.outbox.put_nowait(None)
-
-
-async def serve(session: LiveSession, receive: Receive,
-                send: Callable[[dict[str, Any]], Awaitable[None]]) -> str:
-    """Run ``session`` over a transport: events go out through ``send`` in order while ``run``
-    reads; returns why it ended. A failing ``send`` drops events, never the session's work."""
-
-    async def write() -> None:
-        failed = False
-        while (event := await session.outbox.get()) is not None:
-            if failed:
-                continue
-            try:
-                await send(event)
-            except Exception:  # the peer is gone: keep draining so finals still finish
-                failed = True
-
-    writer = asyncio.create_task(write())
-    try:
-        return await session.run(receive)
-    finally:
-        await writer
+            self.outbox.close()

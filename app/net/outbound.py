@@ -5,11 +5,11 @@ Without it a ``callback_url`` of ``http://169.254.169.254/latest/meta-data/`` or
 raw outcome (shown in ``webhook.last_error``) turned it into a port scanner for clients. So:
 
 * **Addresses, not names, are judged.** A host is resolved and *every* address it has is checked
-  (app/net/addresses.py, :func:`address_problem`): loopback, private, link-local, CGNAT, ULA, multicast, reserved,
-  IPv4-mapped/-compatible IPv6, IPv6 that embeds such an IPv4 (6to4, NAT64, Teredo) and cloud
-  metadata addresses are refused unless ``outbound.allowed_hosts`` or ``allow_private`` says
-  otherwise. ``http://2130706433/`` and ``http://0x7f.1/`` are 127.0.0.1 to the resolver, so
-  they are refused like it.
+  (app/net/addresses.py, :func:`address_problem`): loopback, private, link-local, CGNAT, ULA,
+  multicast, reserved, IPv4-mapped/-compatible IPv6, IPv6 that embeds such an IPv4 (6to4,
+  NAT64, Teredo) and cloud metadata addresses are refused unless ``outbound.allowed_hosts`` or
+  ``allow_private`` says otherwise. ``http://2130706433/`` and ``http://0x7f.1/`` are
+  127.0.0.1 to the resolver, so they are refused like it.
 * **At connect time, to the address checked.** :meth:`OutboundGuard.check_url` refuses a URL
   when a request names it (a 400 before any upload is read), and the HTTP client's network
   backend resolves and checks again when it connects, then connects to that very address: a name
