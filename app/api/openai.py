@@ -195,7 +195,8 @@ async def transcriptions(
                              headers=NO_RETRY)
         check_model(d, model)
         known = await d.known_speakers(known_names or [], known_refs or [],
-                                       "known_speaker_names[]", "known_speaker_references[]")
+                                       "known_speaker_names[]", "known_speaker_references[]",
+                                       who.owner)
     return await _run(request, d, who, file, model, "transcribe", language, prompt,
                       response_format, temperature, gran, cue, stream, hotwords, idempotency_key,
                       known, logprobs, vad)

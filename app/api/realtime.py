@@ -25,11 +25,13 @@ from app.api.deps import Caller, caller
 from app.api.middleware.secrets import SUBPROTOCOL_KEY, ClientSecrets
 from app.api.openai import OpenAIRoute
 from app.api.schemas import ErrorBody
+from app.errors import BadRequest
 from app.jobs.door import Door, LiveCall
 
 router = APIRouter(tags=["live"], route_class=OpenAIRoute)  # errors in OpenAI's shape
 INTENTS = ("transcription",)
 CLOSE_WAIT_S = 5.0
+MAX_URL = 2048  # the jobs table's callback_url column
 JOB_HEADER = "x-batchscribe-job"
 
 
@@ -76,9 +78,21 @@ async def realtime(ws: WebSocket, intent: str | None = None,
         await ws.close(1008)
         return
     signer: ClientSecrets = ws.app.state.client_secrets
+    grant = signer.grant_of(ws.scope)
+    if grant is not None:  # a client secret: only the callback_url signed into it
+        if callback_url is not None and callback_url != grant.callback_url:
+            await accept({})
+            await send({"type": "error", "event_id": None, "error": {
+                "type": "invalid_request_error", "code": "invalid_value",
+                "message": "a socket opened with a client secret delivers only to the "
+                "callback_url the secret was minted with (POST /v1/realtime/client_secrets "
+                "with callback_url)", "param": "callback_url", "event_id": None}})
+            await ws.close(1008)
+            return
+        callback_url = grant.callback_url
     try:
         end = await door.live(LiveCall(owner, accept, receive, send, callback_url,
-                                       session=signer.session_of(ws.scope)))
+                                       session=grant.session if grant is not None else None))
     except WebSocketDisconnect:
         return
     # The client closed first (or stopped reading: the close frame cannot go out, and the
@@ -98,7 +112,9 @@ async def client_secrets(
     OpenAI's ephemeral-key answer, ``{value, expires_at, session}``. ``expires_after.seconds``
     (10-7200) sets its lifetime, as on OpenAI's API. ``session`` (a transcription session, as
     in ``session.update``) is checked now (400 naming the field) and is the session a socket
-    opened with the secret starts as; the answer's ``session`` shows it, defaults filled in."""
+    opened with the secret starts as; the answer's ``session`` shows it, defaults filled in.
+    ``callback_url`` (this service's): where its sessions' transcripts are delivered (checked
+    when a socket opens); a socket opened with the secret takes no other."""
     body = body or {}
     door: Door = request.app.state.door
     signer: ClientSecrets = request.app.state.client_secrets
@@ -106,5 +122,10 @@ async def client_secrets(
     seconds = after.get("seconds") if isinstance(after, dict) else None
     ttl_s = seconds if isinstance(seconds, int) and 10 <= seconds <= 7200 else None
     carried, opened = door.live_session(body.get("session") or {"type": "transcription"})
-    minted = signer.mint(who.owner, ttl_s, carried if "session" in body else None)
+    callback = body.get("callback_url")
+    if callback is not None and (not isinstance(callback, str) or len(callback) > MAX_URL):
+        raise BadRequest(f"callback_url must be a URL of at most {MAX_URL} characters",
+                         field="callback_url")
+    minted = signer.mint(who.owner, ttl_s, carried if "session" in body else None,
+                         callback or None)
     return {"value": minted.value, "expires_at": minted.expires_at, "session": opened}

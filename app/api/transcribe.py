@@ -199,7 +199,7 @@ async def transcribe(
             raise BadRequest(f"a reference clip is over {PART_BYTES >> 20} MB",
                              field="known_speaker_references", headers=NO_RETRY)
         known = await d.known_speakers(known_speaker_names or [], clips, "known_speaker_names",
-                                       "known_speaker_references")
+                                       "known_speaker_references", who.owner)
         options = replace(options, known_speakers=known)
     job_id = await accept_upload(d, file, options, who, callback_url, audio_url,
                                  idempotency_key=key)

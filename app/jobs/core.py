@@ -96,9 +96,10 @@ class Core:
         return settings
 
     async def known_speakers(self, names: Sequence[str], clips: Sequence[bytes | str],
-                             names_field: str, refs_field: str) -> list[dict[str, Any]]:
+                             names_field: str, refs_field: str,
+                             owner: str | None = None) -> list[dict[str, Any]]:
         return await reference_voices(self._pipeline.speakers, names, clips, names_field,
-                                      refs_field)
+                                      refs_field, lambda s: self._admission.admitted(s, owner))
 
     async def gate(self, owner: str | None) -> None:
         await self._admission.gate(owner)

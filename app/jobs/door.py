@@ -138,10 +138,13 @@ class Door(Protocol):
         ...
 
     async def known_speakers(self, names: Sequence[str], clips: Sequence[bytes | str],
-                             names_field: str, refs_field: str) -> list[dict[str, Any]]:
+                             names_field: str, refs_field: str,
+                             owner: str | None = None) -> list[dict[str, Any]]:
         """Named speakers' voices for a job's ``known_speakers`` option, from their names and
         reference clips (bytes, or OpenAI's data URLs; at most ``MAX_KNOWN``): 400 naming the
-        field for a bad one; loads the speaker models if nobody has asked for them yet."""
+        field for a bad one (probed behind the allow-lists first), 429 when their audio does
+        not fit ``owner``'s share (charged while they are decoded); loads the speaker models if
+        nobody has asked for them yet."""
         ...
 
     async def gate(self, owner: str | None) -> None:

@@ -19,9 +19,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import contextlib
 import re
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from contextlib import AbstractAsyncContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,18 +83,35 @@ def data_url_bytes(url: str, field: str) -> bytes:
         raise BadReference("a reference's base64 data does not decode", field) from exc
 
 
-def decode_reference(data: bytes, field: str) -> np.ndarray:
-    """Blocking (run it on a thread): 16 kHz mono float32 of a reference clip, checked."""
+def probe_references(folder: Path, clips: Sequence[bytes], field: str
+                     ) -> tuple[list[Path], float]:
+    """Blocking: the clips as files in ``folder``, each probed as an upload is (the container
+    and codec allow-lists, the header's duration at most ``MAX_REF_S``) before anything is
+    decoded; and their audio seconds together, each at least ``MIN_REF_S`` (what is charged)."""
+    from app.audio import probe
+    from app.errors import ServiceError
+
+    paths, seconds = [], 0.0
+    for k, data in enumerate(clips):
+        path = folder / f"reference-{k}"
+        path.write_bytes(data)
+        try:
+            seconds += max(MIN_REF_S, probe(path, MAX_REF_S).duration_s)
+        except ServiceError as exc:
+            raise BadReference(f"a reference is not usable audio: {exc.message}", field) from exc
+        paths.append(path)
+    return paths, seconds
+
+
+def decode_reference(path: Path, field: str) -> np.ndarray:
+    """Blocking (run it on a thread): 16 kHz mono float32 of a probed reference clip, checked."""
     from app.audio import decode
     from app.errors import ServiceError
 
-    with tempfile.NamedTemporaryFile(prefix="reference-") as f:
-        f.write(data)
-        f.flush()
-        try:
-            audio = decode(Path(f.name), MAX_REF_S + 60)
-        except ServiceError as exc:
-            raise BadReference(f"a reference is not usable audio: {exc}", field) from exc
+    try:
+        audio = decode(path, MAX_REF_S + 60)
+    except ServiceError as exc:
+        raise BadReference(f"a reference is not usable audio: {exc.message}", field) from exc
     seconds = len(audio) / 16_000
     if not MIN_REF_S <= seconds <= MAX_REF_S:
         raise BadReference(f"a reference lasts {seconds:.1f} s; give {MIN_REF_S:g}-"
@@ -111,12 +130,12 @@ async def voiceprint(diarizer: Diarizer, audio: np.ndarray) -> np.ndarray | None
     return unit_mean(np.stack(stream.embeddings))
 
 
-async def known_voices(diarizer: Diarizer, names: Sequence[str], clips: Sequence[bytes],
+async def known_voices(diarizer: Diarizer, names: Sequence[str], clips: Sequence[Path],
                        field: str) -> list[dict[str, Any]]:
     """``[{"name", "voice"}]`` for the job's options, from the (checked) names and clips."""
     out = []
-    for name, data in zip(names, clips, strict=True):
-        audio = await asyncio.to_thread(decode_reference, data, field)
+    for name, path in zip(names, clips, strict=True):
+        audio = await asyncio.to_thread(decode_reference, path, field)
         voice = await voiceprint(diarizer, audio)
         if voice is None:
             raise BadReference(f"no speech found in the reference for {name!r}", field)
@@ -132,11 +151,19 @@ def public_options(options: dict[str, Any]) -> dict[str, Any]:
     return {**options, "known_speakers": [k.get("name") for k in known]}
 
 
+# Audio seconds of references -> the admission that holds them in the caller's share while
+# they are decoded and embedded (429 past it).
+Admit = Callable[[float], AbstractAsyncContextManager[None]]
+
+
 async def reference_voices(service: SpeakerService | None, names: Sequence[str],
-                           clips: Sequence[bytes | str], names_field: str, refs_field: str
-                           ) -> list[dict[str, Any]]:
+                           clips: Sequence[bytes | str], names_field: str, refs_field: str,
+                           admit: Admit | None = None) -> list[dict[str, Any]]:
     """The API's entry: checked names and clips (bytes, or OpenAI's data URLs) -> the job's
-    ``known_speakers``; a bad reference is a 400 naming its field, no retry. The speaker
+    ``known_speakers``; a bad reference is a 400 naming its field, no retry. Each clip is
+    probed behind the allow-lists and its duration charged (``admit``) before anything decodes
+    it: issue 51 found references decoded and embedded before the main audio was admitted,
+    uncharged, on the one shared speaker thread, and past the codec allow-list. The speaker
     models are loaded first if nobody has asked for them yet."""
     from app.errors import NO_RETRY, BadRequest, DiarizationOff
 
@@ -146,6 +173,10 @@ async def reference_voices(service: SpeakerService | None, names: Sequence[str],
     try:
         clean = check_names(names, len(clips), names_field)
         data = [c if isinstance(c, bytes) else data_url_bytes(c, refs_field) for c in clips]
-        return await known_voices(await service.diarizer(), clean, data, refs_field)
+        with tempfile.TemporaryDirectory(prefix="references-") as folder:
+            paths, seconds = await asyncio.to_thread(probe_references, Path(folder), data,
+                                                     refs_field)
+            async with (admit(seconds) if admit is not None else contextlib.nullcontext()):
+                return await known_voices(await service.diarizer(), clean, paths, refs_field)
     except BadReference as exc:
         raise BadRequest(str(exc), field=exc.field, headers=NO_RETRY) from exc

@@ -24,8 +24,11 @@ from pathlib import Path
 from app.config import SpeakerSettings
 from app.errors import DiarizationOff, DiarizationUnavailable
 from app.speakers.diarizer import Diarizer, DiarizerSettings
+from models.registry import SPEAKERS_MODEL, provision_hint
 
 log = logging.getLogger(__name__)
+LOAD_FAILED = (f"the speaker models could not be loaded; the operator must {provision_hint(SPEAKERS_MODEL)}"
+               " and restart the service (its log has the cause)")
 
 
 class SpeakerService:
@@ -75,7 +78,9 @@ class SpeakerService:
         try:
             d = await asyncio.to_thread(_load_frozen, self.cache_dir, settings)
         except Exception as exc:
-            self._error = f"the speaker models could not be loaded: {exc}"
+            # A fixed text: the exception's (folders, files, library messages) stays in the log
+            # (issue 51 read paths in the 503's body).
+            self._error = LOAD_FAILED
             self._loading = None
             log.error("cannot load the speaker models: %s", exc)
             raise DiarizationUnavailable(self._error, field="diarize") from exc

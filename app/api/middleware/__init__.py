@@ -4,6 +4,8 @@ All are plain ASGI classes, not ``@app.middleware("http")``: Starlette's BaseHTT
 every request through a task group and memory streams, which cost measurable CPU per request
 beside the engine. From the outside in (:func:`install_middleware`):
 
+0. ``QuerySecretMiddleware`` (secrets.py): a WebSocket handshake's ``client_secret`` query
+   parameter leaves the query string before any layer or log line sees it.
 1. ``RetryHints`` (observe.py): ``x-should-retry: false`` on every 4xx a retry cannot fix; it
    sees every answer, the other middlewares' included.
 2. ``HttpMetrics`` (observe.py): requests and latency by route and status.
@@ -27,7 +29,7 @@ from app.api.middleware.keys import install_security
 from app.api.middleware.limits import BacklogGate, BodyLimitMiddleware
 from app.api.middleware.observe import HttpMetrics, RetryHints
 from app.api.middleware.origin import CrossSiteGuard
-from app.api.middleware.secrets import ClientSecrets
+from app.api.middleware.secrets import ClientSecrets, QuerySecretMiddleware
 from app.config import Settings
 
 
@@ -41,3 +43,4 @@ def install_middleware(app: FastAPI, settings: Settings) -> None:
     app.add_middleware(CrossSiteGuard, allowed_origins=settings.security.allowed_origins)
     app.add_middleware(HttpMetrics)
     app.add_middleware(RetryHints)
+    app.add_middleware(QuerySecretMiddleware)

@@ -200,6 +200,10 @@ class KeyRing:
         if len(set(owners)) != len(set(self.digests)):
             raise ValueError("two API key digests share an owner prefix; use different keys")
 
+    @property
+    def owners(self) -> frozenset[str]:
+        return frozenset(owner_of(d) for d in self.digests)
+
     def owner(self, key: str) -> str | None:
         presented = key_digest(key)
         found = None
@@ -280,7 +284,8 @@ class ApiKeyMiddleware:
         owner = None
         if token is not None and is_secret(token) and self.secrets is not None:
             grant = self.secrets.grant(token)
-            valid_owner = grant is not None
+            # Only while its key is still configured: a removed key's secrets stop working.
+            valid_owner = grant is not None and grant.owner in self.keys.owners
             owner = grant.owner if grant is not None else None
         else:
             owner = self.keys.owner(token) if token else None

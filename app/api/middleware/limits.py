@@ -1,7 +1,11 @@
 """Request limits before the route runs: the body size, enforced while it streams in, and the
 backlog gate (429 before the body is read).
 
-Body size: two checks, both answering 413 with the JSON error body of :mod:`app.errors`:
+Body size: audio routes (``UPLOAD_PATHS``) take ``limits.max_upload_bytes`` of multipart (and
+each form field its own limit as it streams, app/api/middleware/fields.py);
+everything else, and a JSON body on any route, at most ``MAX_JSON_BYTES`` (64 KiB: issue 51
+measured an 8 MiB JSON body answered 200 by ``POST /v1/realtime/client_secrets``, read whole).
+Two checks, both answering 413 with the JSON error body of :mod:`app.errors`:
 
 * a declared ``Content-Length`` over the limit is refused before a byte of the body is read;
 * otherwise (chunked uploads, or a lying length) the bytes are counted as they arrive and the
@@ -28,6 +32,8 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.json_form import MAX_JSON_BYTES
+from app.api.middleware.fields import FIELD_LIMITS, FieldMeter
 from app.api.middleware.reply import declared_length, send_error
 from app.errors import Overloaded, PayloadTooLarge
 from app.jobs.door import Door
@@ -36,20 +42,34 @@ from app.jobs.door import Door
 MULTIPART_SLACK = 64 * 1024
 
 
+def header(scope: Scope, wanted: bytes) -> str:
+    for name, value in scope.get("headers", ()):
+        if name == wanted:
+            return str(value.decode("latin-1"))
+    return ""
+
+
+def content_type(scope: Scope) -> str:
+    return header(scope, b"content-type").split(";")[0].strip().lower()
+
+
 def too_large(limit: int, received: int | None = None) -> PayloadTooLarge:
     what = f"request body of {received} bytes" if received is not None else "upload"
     return PayloadTooLarge(f"{what} exceeds the limit of {limit} bytes", limit_bytes=limit)
 
 
 class _Guard:
-    """Per request: counts body bytes; once over the limit, owns the response."""
+    """Per request: counts body bytes (and, with a :class:`FieldMeter`, each form field's);
+    once over a limit, owns the response."""
 
-    def __init__(self, receive: Receive, send: Send, max_body: int, limit: int, path: str) -> None:
+    def __init__(self, receive: Receive, send: Send, max_body: int, limit: int, path: str,
+                 fields: FieldMeter | None = None) -> None:
         self._receive = receive
         self._send = send
         self.path = path
         self.max_body = max_body
         self.limit = limit
+        self.fields = fields
         self.received = 0
         self.error: PayloadTooLarge | None = None
         self.started = False  # a response has begun (ours or the app's)
@@ -60,10 +80,17 @@ class _Guard:
             raise self.error
         message = await self._receive()
         if message["type"] == "http.request":
-            self.received += len(message.get("body", b""))
+            body = message.get("body", b"")
+            self.received += len(body)
             if self.received > self.max_body:
                 self.error = too_large(self.limit)
                 raise self.error
+            if self.fields is not None:
+                try:
+                    self.fields.feed(body)
+                except PayloadTooLarge as exc:
+                    self.error = exc
+                    raise
         return message
 
     async def send(self, message: Message) -> None:
@@ -82,18 +109,28 @@ class _Guard:
 class BodyLimitMiddleware:
     def __init__(self, app: ASGIApp, max_upload_bytes: int) -> None:
         self.app = app
-        self.limit = max_upload_bytes
-        self.max_body = max_upload_bytes + MULTIPART_SLACK
+        self.upload_limit = max_upload_bytes
+
+    def limits(self, scope: Scope) -> tuple[int, int]:
+        """(the limit a 413 names, the bytes allowed including multipart framing)."""
+        if scope["path"] in UPLOAD_PATHS and content_type(scope) != "application/json":
+            return self.upload_limit, self.upload_limit + MULTIPART_SLACK
+        return MAX_JSON_BYTES, MAX_JSON_BYTES
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        limit, max_body = self.limits(scope)
         declared = declared_length(scope)
-        if declared is not None and declared > self.max_body:
-            await send_error(send, too_large(self.limit, declared), scope["path"], close=True)  # unread
+        if declared is not None and declared > max_body:
+            await send_error(send, too_large(limit, declared), scope["path"], close=True)  # unread
             return
-        guard = _Guard(receive, send, self.max_body, self.limit, scope["path"])
+        ctype = content_type(scope)
+        fields = FIELD_LIMITS.get(scope["path"])
+        meter = (FieldMeter(header(scope, b"content-type"), fields)
+                 if fields is not None and ctype == "multipart/form-data" else None)
+        guard = _Guard(receive, send, max_body, limit, scope["path"], meter)
         try:
             await self.app(scope, guard.receive, guard.send)
         except PayloadTooLarge as exc:  # escaped the app unrendered (e.g. raised by a stream)

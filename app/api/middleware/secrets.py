@@ -14,6 +14,19 @@ A handshake's credential, first found wins: the ``Authorization: Bearer`` header
 checked as on every route), the ``openai-insecure-api-key.<token>`` subprotocol (a client
 secret, or an API key as OpenAI's own browser clients send it), then a ``client_secret`` query
 parameter (client secrets only: a query string reaches access logs, an API key must not).
+
+Issue 51 found three holes, closed here and in the key check (keys.py):
+
+* uvicorn's handshake line logged the query string, secret and all, and the secret worked for
+  any number of sessions in its lifetime (up to 2 h): :class:`QuerySecretMiddleware`, the
+  outermost layer, moves it out of the query string into the scope before anything (uvicorn's
+  access line included, which reads the same scope) sees it;
+* a secret kept working after its API key was removed from the configuration: a grant counts
+  only while its tenant is one of the configured keys' (:meth:`ClientSecrets.grant`'s caller);
+* whoever held a secret could name any ``callback_url`` on the socket and receive genuinely
+  signed deliveries for the key: a socket opened with a secret gets the ``callback_url`` signed
+  into it when it was minted (``POST /v1/realtime/client_secrets`` with ``callback_url``), and
+  no other.
 """
 
 from __future__ import annotations
@@ -26,9 +39,9 @@ import secrets
 import time
 from dataclasses import dataclass
 from typing import Any
-from urllib.parse import parse_qs
+from urllib.parse import parse_qsl, urlencode
 
-from starlette.types import Scope
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from app.config import LiveSettings
 
@@ -45,10 +58,12 @@ class Minted:
 
 @dataclass(frozen=True)
 class Grant:
-    """What a valid client secret says: the tenant it was minted for, and the session."""
+    """What a valid client secret says: the tenant it was minted for, the session, and the
+    ``callback_url`` its sessions' transcripts are delivered to (None: none)."""
 
     owner: str | None
     session: dict[str, Any] | None = None
+    callback_url: str | None = None
 
 
 class ClientSecrets:
@@ -60,11 +75,13 @@ class ClientSecrets:
         self.ttl_s = settings.client_secret_ttl_s
 
     def mint(self, owner: str | None, ttl_s: int | None = None,
-             session: dict[str, Any] | None = None) -> Minted:
+             session: dict[str, Any] | None = None, callback_url: str | None = None) -> Minted:
         expires = int(time.time()) + (ttl_s or self.ttl_s)
         claims: dict[str, Any] = {"o": owner, "e": expires, "n": secrets.token_hex(8)}
         if session:
             claims["s"] = session
+        if callback_url:
+            claims["c"] = callback_url
         payload = _b64(json.dumps(claims, separators=(",", ":")).encode())
         return Minted(f"{PREFIX}{payload}.{self._mac(payload)}", expires)
 
@@ -79,21 +96,22 @@ class ClientSecrets:
             data = json.loads(base64.urlsafe_b64decode(payload + "=" * (-len(payload) % 4)))
             if int(data["e"]) < time.time():
                 return None
-            owner, session = data["o"], data.get("s")
+            owner, session, callback = data["o"], data.get("s"), data.get("c")
         except (ValueError, KeyError, TypeError, AttributeError):
             return None
         return Grant(owner if isinstance(owner, str) else None,
-                     session if isinstance(session, dict) else None)
+                     session if isinstance(session, dict) else None,
+                     callback if isinstance(callback, str) else None)
 
-    def session_of(self, scope: Scope) -> dict[str, Any] | None:
-        """The session of the client secret a handshake came with, found where the key check
+    def grant_of(self, scope: Scope) -> Grant | None:
+        """The grant of the client secret a handshake came with, found where the key check
         looks first (the ``Authorization`` header, as the ``openai`` SDK sends a secret given
-        as its api_key; the subprotocol; the query); None when that is an API key or nothing.
-        Checked again here, so keyless services, which check no credential, honour it too."""
+        as its api_key; the subprotocol; the query's, moved into the scope by
+        :class:`QuerySecretMiddleware`); None when that is an API key or nothing. Checked again
+        here, so keyless services, which check no credential, honour it too."""
         sub, query = handshake_tokens(scope)
         token = bearer_token(scope) or sub or query
-        grant = self.grant(token) if token is not None and is_secret(token) else None
-        return grant.session if grant is not None else None
+        return self.grant(token) if token is not None and is_secret(token) else None
 
     def _mac(self, payload: str) -> str:
         return _b64(hmac.new(self._key, payload.encode(), hashlib.sha256).digest())
@@ -118,8 +136,32 @@ def is_secret(token: str) -> bool:
 
 
 def handshake_tokens(scope: Scope) -> tuple[str | None, str | None]:
-    """(the subprotocol's token, the query parameter's client secret) of a WebSocket handshake."""
+    """(the subprotocol's token, the query parameter's client secret) of a WebSocket handshake;
+    the latter as :class:`QuerySecretMiddleware` moved it out of the query string."""
     sub = next((p[len(SUBPROTOCOL_KEY):] for p in scope.get("subprotocols", ())
                 if p.startswith(SUBPROTOCOL_KEY)), None)
-    query = parse_qs(scope.get("query_string", b"").decode("latin-1")).get(QUERY_PARAM, [None])[0]
-    return sub or None, query if query and is_secret(query) else None
+    query = scope.get(SCOPE_KEY)
+    return sub or None, query if isinstance(query, str) and is_secret(query) else None
+
+
+SCOPE_KEY = "batchscribe.client_secret"
+
+
+class QuerySecretMiddleware:
+    """Outermost on WebSocket handshakes: the ``client_secret`` query parameter moves from the
+    query string into ``scope["batchscribe.client_secret"]``, in place (uvicorn writes its
+    access line from this same scope dict, as it does for the path key in keys.py), so no log
+    line, error body or metric ever holds it."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "websocket" and QUERY_PARAM.encode() in scope.get("query_string", b""):
+            pairs = parse_qsl(scope["query_string"].decode("latin-1"), keep_blank_values=True)
+            secret = next((v for k, v in pairs if k == QUERY_PARAM), None)
+            scope["query_string"] = urlencode(
+                [(k, v) for k, v in pairs if k != QUERY_PARAM]).encode("latin-1")
+            if secret:
+                scope[SCOPE_KEY] = secret
+        await self.app(scope, receive, send)
