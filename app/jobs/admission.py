@@ -23,6 +23,7 @@ from contextlib import asynccontextmanager
 
 from app.config import Settings
 from app.errors import Overloaded
+from app.jobs.holds import make_holds
 from app.jobs.store import JobStore
 from app.jobs.transfers import Transfers
 from app.metrics import Metrics
@@ -66,8 +67,11 @@ class Admission:
     def __init__(self, settings: Settings, store: JobStore, backlog: Backlog, metrics: Metrics,
                  retry_after_s: Callable[[float], int], transfers: Transfers | None = None) -> None:
         self.settings = settings
-        # Uploads and downloads in flight count in their key's share (app/jobs/transfers.py).
-        self.transfers = transfers or Transfers(settings.limits.max_transfers_per_key)
+        # Uploads and downloads in flight count in their key's share (app/jobs/transfers.py),
+        # held for the deployment on a shared store (app/jobs/holds.py).
+        self.transfers = transfers or Transfers(
+            settings.limits.max_transfers_per_key,
+            make_holds(store, settings.storage.replica(), settings.storage.lease_s))
         self._store = store
         self.backlog = backlog
         self._metrics = metrics
@@ -114,7 +118,8 @@ class Admission:
             if len(cache) > KEY_CACHE_MAX:  # keys come and go: keep the newest answers
                 for k in sorted(cache, key=lambda k: cache[k][0])[:KEY_CACHE_MAX // 2]:
                     del cache[k]
-        moving = self.transfers.count(owner)  # each at least one padded window, not yet admitted
+        # Transfers: each at least one padded window, not yet admitted.
+        moving = await self.transfers.count(owner, max_age_s)
         return (seconds + self._key_s[owner] + moving * self.settings.min_job_s()
                 + self.live_s(owner), jobs + self._key_jobs[owner] + moving)
 

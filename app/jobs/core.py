@@ -111,8 +111,8 @@ class Core:
         hooks = self.settings.webhooks
         return key_secret(hooks.secret.get_secret_value(), owner) if hooks.enabled else None
 
-    def transfer(self, owner: str | None) -> Hold:
-        return self._admission.transfers.acquire(owner)
+    async def transfer(self, owner: str | None) -> Hold:
+        return await self._admission.transfers.acquire(owner)
 
     async def stop_fetches(self) -> None:
         await self._fetches.stop()

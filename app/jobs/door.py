@@ -163,9 +163,10 @@ class Door(Protocol):
         off."""
         ...
 
-    def transfer(self, owner: str | None) -> Hold:
+    async def transfer(self, owner: str | None) -> Hold:
         """One upload or download in flight for this key (429 past
-        ``limits.max_transfers_per_key``); release the hold when its body is in."""
+        ``limits.max_transfers_per_key``, counted for the deployment); release the hold when
+        its body is in."""
         ...
 
     async def replay(self, owner: str | None, key: str) -> JobView | None:

@@ -67,7 +67,7 @@ class Fetches:
         assert up.audio_url is not None
         url = await check_audio_url(self.settings, self._outbound, up.audio_url)
         await self._admission.gate(up.owner)  # the key's share, its transfers included
-        return url, self._admission.transfers.acquire(up.owner)
+        return url, await self._admission.transfers.acquire(up.owner)
 
     @staticmethod
     def options_of(up: Upload, url: str) -> tuple[Any, str | None]:

@@ -7,8 +7,10 @@ accept the socket, read a message and send an event. Everything after that is he
 module only moves bytes.
 
 * **Admission.** ``live.max_sessions`` on this replica and ``live.max_sessions_per_key`` per
-  tenant: past either, the socket is accepted, gets one ``error`` event (``session_limit``) and
-  is closed: a WebSocket client sees why, where a refused handshake shows only "403". The slot
+  tenant (for the deployment: on replicas sharing PostgreSQL each session is a leased hold,
+  app/jobs/holds.py): past either, the socket is accepted, gets one ``error`` event
+  (``session_limit``) and is closed: a WebSocket client sees why, where a refused handshake
+  shows only "403". The slot
   is taken before the first ``await`` and given back however the handshake ends: issue 51 sent
   six handshakes at once with a limit of 1 and four sessions opened (the count was checked,
   the ``callback_url`` lookup awaited, then the count raised).
@@ -46,6 +48,7 @@ from app.config import Settings
 from app.errors import ServiceError
 from app.jobs.admission import Admission
 from app.jobs.door import LiveCall, LiveEnd
+from app.jobs.holds import SharedHolds, make_holds
 from app.jobs.intake import new_job_id
 from app.jobs.store import JobStore
 from app.jobs.webhooks import check_callback_url
@@ -60,6 +63,7 @@ from app.windows import JobOptions
 
 log = logging.getLogger(__name__)
 LIVE_THREADS = 2  # audio work of every session: ~1 ms of Silero per 100 ms append on this CPU
+KIND = "live"  # a live session's hold (app/jobs/holds.py)
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_LATER = 1000, 1008, 1013
 
 
@@ -79,7 +83,9 @@ class LiveHall:
         self._outbound = outbound
         self._ended = ended  # the runner's end hooks: webhooks wake on a kept session
         self._executor = ThreadPoolExecutor(LIVE_THREADS, thread_name_prefix="live")
-        self._open: Counter[str | None] = Counter()
+        self._open: Counter[str | None] = Counter()  # this replica's sessions per key
+        # Per key across replicas sharing PostgreSQL (app/jobs/holds.py); SQLite: _open alone.
+        self._holds = make_holds(store, settings.storage.replica(), settings.storage.lease_s)
 
     @property
     def open_sessions(self) -> int:
@@ -93,10 +99,16 @@ class LiveHall:
         live = self.settings.live
         job_id = new_job_id() if live.keep_as_job else None
         refusal = self._refusal(call.owner)
+        hold: str | None = None
         if refusal is None:  # reserved before any await; given back however this ends
             self._open[call.owner] += 1
             self._metrics.live_sessions.inc()
         try:
+            if refusal is None and isinstance(self._holds, SharedHolds):  # the deployment's count
+                hold = await self._holds.take(KIND, call.owner, live.max_sessions_per_key)
+                if hold is None:
+                    refusal = self._key_refusal()
+                    self._release(call.owner)
             await call.accept({"x-batchscribe-job": job_id} if job_id else {})
             if refusal is not None:
                 self._metrics.live_refused.labels(refusal[0]).inc()
@@ -112,11 +124,16 @@ class LiveHall:
                 return LiveEnd("invalid_callback_url", None, CLOSE_POLICY)
             return await self._run(call, job_id, callback)
         finally:
+            if hold is not None:
+                self._holds.give_back(hold)
             if refusal is None:
-                self._open[call.owner] -= 1
-                if not self._open[call.owner]:
-                    del self._open[call.owner]
-                self._metrics.live_sessions.dec()
+                self._release(call.owner)
+
+    def _release(self, owner: str | None) -> None:
+        self._open[owner] -= 1
+        if not self._open[owner]:
+            del self._open[owner]
+        self._metrics.live_sessions.dec()
 
     async def _run(self, call: LiveCall, job_id: str | None, callback: str | None) -> LiveEnd:
         started = time.time()
@@ -160,9 +177,12 @@ class LiveHall:
             return ("total", f"This service has {live.max_sessions} live sessions open, its "
                     "maximum; try again later.")
         if self._open[owner] >= live.max_sessions_per_key:
-            return ("key", f"This API key has {live.max_sessions_per_key} live sessions open, "
-                    "its maximum; close one first.")
+            return self._key_refusal()
         return None
+
+    def _key_refusal(self) -> tuple[str, str]:
+        n = self.settings.live.max_sessions_per_key
+        return ("key", f"This API key has {n} live sessions open, its maximum; close one first.")
 
     async def _callback(self, url: str | None) -> str | None:
         return await check_callback_url(self.settings.webhooks, self._outbound, url)

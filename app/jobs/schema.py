@@ -1,4 +1,5 @@
-"""The jobs table: one row per job, its upload, its lease, its result and its webhook.
+"""The jobs table: one row per job, its upload, its lease, its result and its webhook; and the
+holds table: one row per per-key slot held with a replica's lease (app/jobs/holds.py).
 
 Its own module so that the store (app/jobs/store.py) and the migrations' Alembic environment
 (app/jobs/migrations/env.py) both read it without importing each other. A column added here
@@ -47,4 +48,19 @@ jobs = sa.Table(
     # owner is inside the digest, so one unique column scopes keys per caller, the keyless tenant
     # (owner NULL, which a unique index over (owner, key) would not constrain) included.
     sa.Column("idempotency_key", sa.String(64), unique=True, index=True),
+)
+
+# A slot of a per-key cap held somewhere in the deployment (an upload being received, an
+# audio_url download, a live session): counted per (kind, owner) while its lease holds, the
+# lease extended by its replica's heartbeat, so a replica that dies gives its slots back
+# within storage.lease_s (app/jobs/holds.py). The keyless tenant's owner is ''.
+holds = sa.Table(
+    "holds",
+    metadata,
+    sa.Column("id", sa.String(32), primary_key=True),
+    sa.Column("kind", sa.String(16), nullable=False),
+    sa.Column("owner", sa.String(128), nullable=False),
+    sa.Column("replica", sa.String(128), nullable=False, index=True),
+    sa.Column("expires_at", sa.Float, nullable=False),
+    sa.Index("ix_holds_kind_owner", "kind", "owner"),
 )

@@ -23,7 +23,7 @@ import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
 from app.jobs.migrations import migrate
-from app.jobs.schema import jobs, metadata
+from app.jobs.schema import holds, jobs, metadata
 from app.jobs.sqlite import SqliteThread, StoreInUse, lock_sqlite
 
 __all__ = ["JobRow", "JobStore", "StoreInUse", "jobs", "lock_sqlite", "metadata"]
@@ -106,6 +106,9 @@ class JobStore:
         # that order is the oldest-first one, which costs half as much (measured here: a claim
         # took ~5 ms against ~10 ms with 32 queued jobs, 8 against 41 with 2000).
         self.fair = fair
+        # The per-key slots this process holds in the holds table (app/jobs/holds.py): the
+        # heartbeat extends their leases and deletes this replica's other rows.
+        self.holds_alive: set[str] = set()
         self._sqlite: SqliteThread | None = None
         self.engine: AsyncEngine | None = None
         if url.startswith("sqlite"):
@@ -218,12 +221,20 @@ class JobStore:
         """Extend this replica's leases and record progress (windows done per job).
 
         Returns the ids of the jobs it still holds: a job missing here was taken away (its lease
-        expired while this replica stalled, and another one may be running it now).
+        expired while this replica stalled, and another one may be running it now). On a shared
+        store the same transaction extends the leases of the per-key slots this process holds
+        (``holds_alive``) and deletes its rows of any others (app/jobs/holds.py).
         """
         mine = (jobs.c.lease_owner == replica, jobs.c.status == "running")
+        alive = builtins.list(self.holds_alive) if self.shared else None
 
         def beat(conn: sa.Connection) -> set[str]:
             conn.execute(jobs.update().where(*mine).values(lease_expires_at=db_now(conn) + lease_s))
+            if alive is not None:
+                conn.execute(holds.update().where(holds.c.id.in_(alive))
+                             .values(expires_at=db_now(conn) + lease_s))
+                conn.execute(holds.delete().where(holds.c.replica == replica,
+                                                  holds.c.id.notin_(alive)))
             for job_id, done in progress.items():
                 conn.execute(
                     jobs.update().where(jobs.c.id == job_id, *mine).values(windows_done=done)

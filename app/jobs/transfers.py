@@ -7,53 +7,50 @@ tenant could hold every slot and shut the door on the others. Each key may run
 starts), and each transfer counts as one job of at least ``min_job_s`` in the key's share of
 the backlog (:meth:`app.jobs.admission.Admission.key_load`) until its job is admitted.
 
-Counts are this replica's: a client spread over replicas by a load balancer gets the cap on
-each.
+The count is the deployment's: on replicas sharing PostgreSQL each transfer is a leased hold
+(app/jobs/holds.py), so a key spread over replicas by a load balancer gets its cap once, and a
+replica that dies gives its transfers back within ``storage.lease_s``.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
-
 from app.errors import Overloaded
+from app.jobs.holds import Holds, LocalHolds
 
 RETRY_AFTER_S = 2
+KIND = "transfer"
 
 
 class Transfers:
-    def __init__(self, cap: int) -> None:
+    def __init__(self, cap: int, holds: Holds | None = None) -> None:
         self.cap = cap
-        self._held: defaultdict[str | None, int] = defaultdict(int)
+        self.holds = holds or LocalHolds()
 
-    def count(self, owner: str | None) -> int:
-        return self._held.get(owner, 0)
+    async def count(self, owner: str | None, max_age_s: float = 0.0) -> int:
+        return await self.holds.count(KIND, owner, max_age_s)
 
-    def acquire(self, owner: str | None) -> Hold:
+    async def acquire(self, owner: str | None) -> Hold:
         """One transfer for ``owner``, or 429 when the key already runs ``cap``."""
-        if self._held.get(owner, 0) >= self.cap:
+        hold = await self.holds.take(KIND, owner, self.cap)
+        if hold is None:
             raise Overloaded(
                 f"this API key has {self.cap} uploads or audio_url downloads in flight (limit "
                 f"{self.cap} per key); retry when one has finished",
                 headers={"Retry-After": str(RETRY_AFTER_S)}, retry_after_s=RETRY_AFTER_S,
                 limit="max_transfers_per_key", limit_transfers=self.cap)
-        self._held[owner] += 1
-        return Hold(self, owner)
-
-    def _release(self, owner: str | None) -> None:
-        self._held[owner] -= 1
-        if self._held[owner] <= 0:
-            del self._held[owner]
+        return Hold(self.holds, hold, owner)
 
 
 class Hold:
     """One transfer's place; :meth:`release` is idempotent."""
 
-    def __init__(self, transfers: Transfers, owner: str | None) -> None:
-        self._transfers = transfers
+    def __init__(self, holds: Holds, hold: str, owner: str | None) -> None:
+        self._holds = holds
+        self._hold = hold
         self.owner = owner
         self.held = True
 
     def release(self) -> None:
         if self.held:
             self.held = False
-            self._transfers._release(self.owner)
+            self._holds.give_back(self._hold)

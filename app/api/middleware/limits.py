@@ -162,7 +162,7 @@ class BacklogGate:
         try:
             if scope["path"] in GATED_PATHS:
                 await door.gate(owner)  # the key's share, its transfers included
-            hold = door.transfer(owner)
+            hold = await door.transfer(owner)
         except Overloaded as exc:
             await send_error(send, exc, scope["path"], close=True)
             return
