@@ -115,22 +115,49 @@ def clips() -> list[Clip]:
     return corpus_clips()
 
 
+class PortTaken(RuntimeError):
+    """Another process bound the server's port first."""
+
+
 @dataclass
 class Server:
-    """A real ``python -m app`` process: the same code path as production, killable."""
+    """A real ``python -m app`` process: the same code path as production, killable.
+
+    Ready means *this* process answers: its own log says it listens on its port, and the port
+    answers ``/readyz``. A readiness answer alone was taken from whatever listened there: the
+    service binds its port only after loading its model, so a port picked free (``free_port``)
+    could be picked again meanwhile by another pytest worker's server, which, bound first,
+    answered this one's readiness poll; the test then fed its jobs to the other test's server
+    and database (issue 51: 41 jobs in one test's PostgreSQL table for its 16 manifest rows).
+    A port taken that way is picked again (``port=0``, the default) or fails loudly (a port
+    given, e.g. a restart on the same one)."""
 
     data_dir: Path
     env: dict[str, str] = field(default_factory=dict)
-    port: int = field(default_factory=free_port)
+    port: int = 0  # 0: a free one, picked again if another process binds it first
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     module: str = "app"  # what ``python -m`` runs (tests/fakegpu_app.py: the same on a fake GPU)
+
+    def __post_init__(self) -> None:
+        self.fixed_port = self.port != 0
+        self.port = self.port or free_port()
 
     @property
     def url(self) -> str:
         return f"http://127.0.0.1:{self.port}"
 
     def start(self, timeout: float = 180.0) -> Server:
+        for attempt in range(3):
+            try:
+                return self._start(timeout)
+            except PortTaken:
+                if self.fixed_port or attempt == 2:
+                    raise
+                self.port = free_port()
+        raise AssertionError("unreachable")
+
+    def _start(self, timeout: float) -> Server:
         env = {**os.environ, "BATCHSCRIBE_PORT": str(self.port),
                "BATCHSCRIBE_STORAGE__DATA_DIR": str(self.data_dir), **self.env}
         self.log_path = self.data_dir / f"server-{self.port}-{int(time.time() * 1000)}.log"
@@ -138,12 +165,17 @@ class Server:
         log = self.log_path.open("wb")
         self.proc = subprocess.Popen([sys.executable, "-m", self.module], cwd=ROOT, env=env,
                                      stdout=log, stderr=subprocess.STDOUT)
+        listening = f"running on http://127.0.0.1:{self.port} "  # uvicorn's line once bound
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+                text = self.log()
+                if "address already in use" in text:
+                    raise PortTaken(f"port {self.port} was taken by another process:\n{text}")
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{text}")
             try:
-                if httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
+                if listening in self.log_path.read_text(errors="replace") and \
+                        httpx.get(self.url + "/readyz", timeout=2).status_code == 200:
                     return self
             except httpx.HTTPError:
                 pass

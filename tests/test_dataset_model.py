@@ -210,6 +210,10 @@ def test_two_replicas_on_postgres_fed_by_one_client(make_server: type[Server], c
     # once); what each job was, and what the client said, name the cause if it comes back.
     seen = [(r["idempotency_key"], r["status"], r["attempts"], r["replica"]) for r in table]
     why = f"{sorted(seen)}\n{p.stderr[-4000:]}"
+    print(f"jobs in the table: {len(table)} for {len(clips)} rows; attempts "
+          f"{sorted(Counter(r['attempts'] for r in table).items())}; keys "
+          f"{len({r['idempotency_key'] for r in table})} distinct, "
+          f"{sum(1 for r in table if not r['idempotency_key'])} none")
     assert len(table) == len(clips) and all(r["status"] == "done" for r in table), why
     assert all(r["attempts"] == 1 and r["idempotency_key"] for r in table), why
     assert {r["replica"] for r in table} == {"replica-a", "replica-b"}, why  # both took work

@@ -105,9 +105,13 @@ class LiveHall:
             self._metrics.live_sessions.inc()
         try:
             if refusal is None and isinstance(self._holds, SharedHolds):  # the deployment's count
-                hold = await self._holds.take(KIND, call.owner, live.max_sessions_per_key)
-                if hold is None:
-                    refusal = self._key_refusal()
+                try:
+                    hold = await self._holds.take(KIND, call.owner, live.max_sessions_per_key)
+                    refusal = self._key_refusal() if hold is None else None
+                except ServiceError:  # the store is away for a moment
+                    refusal = ("store", "The service's job store is unavailable for a moment; "
+                               "try again shortly.")
+                if refusal is not None:
                     self._release(call.owner)
             await call.accept({"x-batchscribe-job": job_id} if job_id else {})
             if refusal is not None:

@@ -22,11 +22,12 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
+from app.errors import ServiceError
 from app.jobs.migrations import migrate
 from app.jobs.schema import holds, jobs, metadata
 from app.jobs.sqlite import SqliteThread, StoreInUse, lock_sqlite
 
-__all__ = ["JobRow", "JobStore", "StoreInUse", "jobs", "lock_sqlite", "metadata"]
+__all__ = ["JobRow", "JobStore", "StoreInUse", "StoreUnavailable", "jobs", "lock_sqlite", "metadata"]
 
 TERMINAL = ("done", "failed", "cancelled")
 T = TypeVar("T")
@@ -48,6 +49,18 @@ OWNER_LOAD = sa.select(sa.func.coalesce(sa.func.sum(COST), 0.0), sa.func.count()
 ANON_LOAD = sa.select(sa.func.coalesce(sa.func.sum(COST), 0.0), sa.func.count()).where(
     ACTIVE, jobs.c.owner.is_(None))
 COUNTS = sa.select(jobs.c.status, sa.func.count()).group_by(jobs.c.status)
+
+
+class StoreUnavailable(ServiceError):
+    """The job store cannot be reached now (the detail is for the log): 503, retry shortly."""
+
+    status_code = 503
+    error_type = "store_unavailable"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("the job store is unavailable for a moment; retry shortly",
+                         headers={"Retry-After": "1"})
+        self.detail = detail
 
 
 @dataclass
@@ -130,12 +143,24 @@ class JobStore:
         it runs whole on the store's own thread, one hop from the event loop per transaction
         (aiosqlite hopped threads for every cursor, execute, fetch, commit and pool reset:
         ~5 ms of CPU per request against ~2 ms). Others: on the async driver, as ``run_sync``.
+
+        A database that cannot be reached or dropped the connection (a PostgreSQL restart or
+        failover) raises :class:`StoreUnavailable`, a 503 a client retries: unmapped, every
+        request that touched the store while PostgreSQL restarted was answered 500 (issue 51's
+        chaos bench). A refused statement (a unique key) stays itself.
         """
-        if self._sqlite is not None:
-            return await self._sqlite.run(fn)
-        assert self.engine is not None
-        async with self.engine.begin() as conn:
-            return await conn.run_sync(fn)
+        try:
+            if self._sqlite is not None:
+                return await self._sqlite.run(fn)
+            assert self.engine is not None
+            async with self.engine.begin() as conn:
+                return await conn.run_sync(fn)
+        except (sa.exc.OperationalError, sa.exc.InterfaceError, sa.exc.TimeoutError) as exc:
+            raise StoreUnavailable(type(exc).__name__) from exc
+        except sa.exc.DBAPIError as exc:
+            if exc.connection_invalidated:
+                raise StoreUnavailable(type(exc).__name__) from exc
+            raise
 
     async def init(self) -> None:
         """Create or upgrade the schema (versioned migrations; see app/jobs/migrations)."""

@@ -10,7 +10,7 @@ from app.api.deps import job_answer
 from app.api.idempotency import parse_key
 from app.api.middleware.limits import MULTIPART_SLACK, too_large
 from app.api.middleware.reply import declared_length, send_error
-from app.errors import BadRequest
+from app.errors import BadRequest, ServiceError
 from app.jobs.door import Door
 
 GATED = frozenset({"/transcribe"})
@@ -38,7 +38,11 @@ class IdempotencyGate:
             return
         wait = QueryParams(scope.get("query_string", b"").decode("latin-1")).get("wait", "false")
         owner = scope.get("state", {}).get("owner")  # set by the API key middleware, outside
-        first = await door.replay(owner, key) if key and wait.lower() in TRUE | FALSE else None
+        try:
+            first = await door.replay(owner, key) if key and wait.lower() in TRUE | FALSE else None
+        except ServiceError as exc:  # outside the routes' handlers: rendered here (503)
+            await send_error(send, exc, scope["path"], close=True)
+            return
         if first is None:  # unknown key (or a request the route must reject): the normal path
             await self.app(scope, receive, send)
             return

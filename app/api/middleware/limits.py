@@ -35,7 +35,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from app.api.json_form import MAX_JSON_BYTES
 from app.api.middleware.fields import FIELD_LIMITS, FieldMeter
 from app.api.middleware.reply import declared_length, send_error
-from app.errors import Overloaded, PayloadTooLarge
+from app.errors import PayloadTooLarge, ServiceError
 from app.jobs.door import Door
 
 # Multipart boundaries, part headers and the small form fields (initial_prompt <= 1000 chars).
@@ -163,7 +163,7 @@ class BacklogGate:
             if scope["path"] in GATED_PATHS:
                 await door.gate(owner)  # the key's share, its transfers included
             hold = await door.transfer(owner)
-        except Overloaded as exc:
+        except ServiceError as exc:  # 429 (or 503: the store away): outside the routes' handlers
             await send_error(send, exc, scope["path"], close=True)
             return
         try:
