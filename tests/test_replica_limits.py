@@ -7,7 +7,8 @@ real PostgreSQL (tests/test_postgres.py starts it), through real HTTP and real s
   ``max_transfers_per_key``) while key B is served there; at its live-session cap on replica 1
   it is refused a session on replica 2 (``session_limit``);
 * replica 1 killed (SIGKILL) while holding those slots gives them back within its lease: A's
-  upload and A's session on replica 2 go through once the lease has run out, not before.
+  upload and A's session on replica 2 go through once the lease has run out, not before;
+* PostgreSQL stopped under a replica: 503 ``store_unavailable`` (retry), never 500.
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ import asyncio
 import contextlib
 import json
 import socket
+import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -146,3 +149,35 @@ async def test_concurrent_takes_on_two_stores_never_pass_the_cap(db: str) -> Non
     finally:
         await a.close()
         await b.close()
+
+
+def test_a_database_that_goes_away_is_a_503_not_a_500(
+        make_server: type[Server], tmp_path: Path, pg: Any, db: str,  # noqa: F811
+        clips: list[Clip]) -> None:
+    """PostgreSQL stopped under a replica: requests that need the store answer 503 with
+    Retry-After (``store_unavailable``, which clients retry), never 500; back once it is."""
+    from tests.test_postgres import _as_postgres
+
+    clip = min((c for c in clips if c.duration_s > 3), key=lambda c: c.duration_s)
+    srv = make_server(tmp_path / "shared", env=env(db, "replica-1"),
+                      module="tests.fake_replica").start()
+    ctl = [str(pg.bindir / "pg_ctl"), "-D", str(pg.root / "data"), "-w", "-t", "60"]
+    opts = (f"-p {pg.port} -k {pg.root / 'sock'} -c listen_addresses=127.0.0.1 -c fsync=off "
+            "-c max_connections=200")
+    subprocess.run(_as_postgres([*ctl, "-m", "fast", "stop"]), check=True, capture_output=True)
+    try:
+        answers = [httpx.get(srv.url + "/jobs", headers=bearer(KEY_A), timeout=60),
+                   upload(srv, KEY_A, clip),
+                   httpx.post(srv.url + "/transcribe", json={"audio_url": "http://example.com/a"},
+                              headers={**bearer(KEY_A), "Idempotency-Key": "k1"}, timeout=60)]
+    finally:
+        subprocess.run(_as_postgres([*ctl, "-l", str(pg.root / "server.log"), "-o", opts,
+                                     "start"]), check=True, capture_output=True)
+    for r in answers:
+        assert r.status_code == 503, (r.request.url, r.status_code, r.text)
+        assert r.json()["error"]["type"] == "store_unavailable" and r.headers["Retry-After"]
+    deadline = time.monotonic() + 30
+    while (r := upload(srv, KEY_A, clip)).status_code == 503:  # pooled connections renewed
+        assert time.monotonic() < deadline, r.text
+        time.sleep(0.5)
+    assert r.status_code == 202, r.text
