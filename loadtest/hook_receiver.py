@@ -6,7 +6,9 @@ It listens on 127.0.0.2, not 127.0.0.1: the service under soak lists only 127.0.
 ``OUTBOUND__ALLOWED_HOSTS``, so the SSRF values of issue 18 that resolve to 127.0.0.1
 (``127.0.0.1:5432``, ``2130706433``, ``localhost``) stay refused while deliveries here go
 through. The mode is the first path segment of the callback URL: ``/ok/..``, ``/trickle/..``,
-``/stream/..``. Every delivery's signature is checked with the soak's secret.
+``/stream/..``. Every delivery's signature is checked with the secret of the API key it names
+(``X-Batchscribe-Key-Id``, and ``key_id`` in the signed body: deliveries are signed per key,
+app/jobs/webhooks.py ``key_secret``); a delivery naming no key the soak knows is a bad one.
 
 The receiver learns that the service hung up when a write fails: a write after the peer's
 FIN still succeeds (it draws the RST), the next one fails. So a trickle (a byte every
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import hmac
+import json
 import threading
 import time
 from collections import Counter, defaultdict
@@ -42,7 +45,8 @@ class _Handler(BaseHTTPRequestHandler):
         mode = self.path.strip("/").split("/")[0]
         rx = self.server.owner
         rx.received(mode, self.headers.get("X-Batchscribe-Delivery", ""),
-                    rx.signed(body, self.headers.get("X-Batchscribe-Timestamp"),
+                    rx.signed(body, self.headers.get("X-Batchscribe-Key-Id", ""),
+                              self.headers.get("X-Batchscribe-Timestamp"),
                               self.headers.get("X-Batchscribe-Signature")))
         self.close_connection = True
         if mode not in ("trickle", "stream"):
@@ -78,9 +82,10 @@ class _Server(ThreadingHTTPServer):
 class HookReceiver:
     """Start with :meth:`start`; :attr:`url` is the base for callback URLs."""
 
-    def __init__(self, secret: str, deadline_s: float, slack_s: float = 2.0,
+    def __init__(self, secrets: dict[str, str], deadline_s: float, slack_s: float = 2.0,
                  host: str = "127.0.0.2") -> None:
-        self.secret = secret.encode()
+        """``secrets``: each API key's id -> the secret its deliveries are signed with."""
+        self.secrets = {k: v.encode() for k, v in secrets.items()}
         self.deadline_s = deadline_s
         self.slack_s = slack_s
         self.lock = threading.Lock()
@@ -102,11 +107,17 @@ class HookReceiver:
         self.httpd.shutdown()
         self.httpd.server_close()
 
-    def signed(self, body: bytes, timestamp: str | None, signature: str | None) -> bool:
-        if not timestamp or not signature:
+    def signed(self, body: bytes, key_id: str, timestamp: str | None,
+               signature: str | None) -> bool:
+        secret = self.secrets.get(key_id)
+        if secret is None or not timestamp or not signature:
             return False
-        mac = hmac.new(self.secret, timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
-        return hmac.compare_digest("sha256=" + mac, signature)
+        try:
+            named = json.loads(body).get("key_id")
+        except ValueError:
+            return False
+        mac = hmac.new(secret, timestamp.encode() + b"." + body, hashlib.sha256).hexdigest()
+        return named == key_id and hmac.compare_digest("sha256=" + mac, signature)
 
     def received(self, mode: str, delivery: str, signed: bool) -> None:
         with self.lock:

@@ -72,6 +72,7 @@ MAX_UPLOAD = 16 * 2**20  # oversized bodies stay cheap; the long WAV (150 s, 4.8
 MAX_AUDIO_S = 290.0  # under lying_flac()'s 300 s: that job fails when decoding passes it
 JOBS_PER_KEY = 16  # A's flood is capped here; B never holds more than ~10
 STREAMS_PER_KEY = 4
+TRANSFERS_PER_KEY = 16  # the default; B sends at most clients + 2 at once, A's flood 3
 HOOK_TIMEOUT_S = 5.0
 
 
@@ -85,7 +86,22 @@ def server_env(digests: list[str], hook_secret: str) -> dict[str, str]:
         "BATCHSCRIBE_LIMITS__MAX_AUDIO_S": str(MAX_AUDIO_S),
         "BATCHSCRIBE_LIMITS__MAX_QUEUED_JOBS_PER_KEY": str(JOBS_PER_KEY),
         "BATCHSCRIBE_LIMITS__MAX_EVENT_STREAMS_PER_KEY": str(STREAMS_PER_KEY),
+        # Issue 51: the soak runs with the per-key caps on what is in flight, written out so the
+        # results record them: transfers (uploads, downloads), outbound slots (webhooks).
+        "BATCHSCRIBE_LIMITS__MAX_TRANSFERS_PER_KEY": str(TRANSFERS_PER_KEY),
+        "BATCHSCRIBE_OUTBOUND__MAX_PER_KEY": "16",
+        "BATCHSCRIBE_OUTBOUND__MAX_PER_HOST_PER_KEY": "4",
     }
+
+
+def key_secrets(secret: str, keys: dict[str, str]) -> dict[str, str]:
+    """Each key's id -> the secret the service signs its deliveries with: deliveries are signed
+    per key since issue 38 (a receiver checking the one server secret counted 224 bad
+    signatures in a 20-minute run: the soak's expectation was stale, not the service)."""
+    from app.jobs.webhooks import key_secret
+
+    ids = [hashlib.sha256(k.encode()).hexdigest()[:16] for k in keys.values()]
+    return {i: key_secret(secret, i) for i in ids}
 
 
 def make_media(corpus: list[Clip]) -> Media:
@@ -311,7 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         proc, url = start_server(server_env(digests, secret), tmp)
         spool = tmp / "uploads"
     pid = proc.pid if proc else None
-    hooks = HookReceiver(secret, HOOK_TIMEOUT_S).start() if args.url is None or args.hook_secret else None
+    hooks = HookReceiver(key_secrets(secret, keys), HOOK_TIMEOUT_S).start() \
+        if args.url is None or args.hook_secret else None
 
     corpus = load_corpus(args.corpus)
     clips = [Path(c.path) for c in corpus if c.duration_s <= args.max_clip_s]

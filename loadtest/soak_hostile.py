@@ -253,11 +253,16 @@ class Hostile:
 
     # ---- jobs that must end right -------------------------------------------------------------
     def lying_mkv(self) -> None:
+        """A header that says 5 s for 90 s of audio: admitted (and charged) at the file's timed
+        length, issue 38's promise (tests/test_shared_slots.py). The soak expected the header's
+        5 s at admission until issue 51 (43 false errors in a 20-minute run)."""
+        real = self.media.mkv_real_s
         r = self.post_accepted("lying-mkv", {"file": (f"liar{self.n}.mka", self.media.mkv)},
-                               Expect(min_audio_s=0.9 * self.media.mkv_real_s))
+                               Expect(min_audio_s=0.9 * real))
         if r.status_code == 202:
-            self.rec.check(r.json()["audio_seconds"] < 10,
-                           f"lying mkv admitted at {r.json()['audio_seconds']} s, not its header's")
+            self.rec.check(r.json()["audio_seconds"] >= 0.9 * real,
+                           f"lying mkv admitted at {r.json()['audio_seconds']} s, under the "
+                           f"{real:.0f} s its file holds (charged its header's?)")
 
     def post_accepted(self, kind: str, files: Any, expect: Expect,
                       data: dict[str, str] | None = None) -> httpx.Response:
