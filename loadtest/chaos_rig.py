@@ -194,7 +194,7 @@ class CuttingProxy:
         # A cut lands at a random byte of the connection's stream (a kept-alive connection
         # carries many requests: this one's uploads, or its answers), if it gets that far.
         cut = self.rng.random() < self.rate
-        up_at = self.rng.randint(200, 400_000) if cut and self.rng.random() < 0.5 else None
+        up_at = self.rng.randint(200, 150_000) if cut and self.rng.random() < 0.67 else None
         down_at = self.rng.randint(20, 4_000) if cut and up_at is None else None
         try:
             ureader, uwriter = await asyncio.open_connection("127.0.0.1", self.upstream_port)
