@@ -166,6 +166,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=51)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args(argv)
+    machine = machine_info()  # the commit and tree as the run starts
     tmp = Path(tempfile.mkdtemp(prefix="batchscribe-chaos-"))
     pg = Postgres(Path(tempfile.mkdtemp(prefix="batchscribe-chaos-pg-"))).start()
     replicas: list[Replica] = []
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             r.stop()
         result: dict[str, Any] = {
             "bench": "chaos", "command": "python -m loadtest.chaos " + " ".join(argv or sys.argv[1:]),
-            "machine": machine_info(), "settings": vars(args) | {"corpus": str(args.corpus),
+            "machine": machine, "settings": vars(args) | {"corpus": str(args.corpus),
                                                                  "out": str(args.out)},
             "client_exit": client.returncode, "wall_s": round(wall, 1), "events": events,
             "kills": sum(r.kills for r in replicas), "postgres_restarts": pg.restarts,

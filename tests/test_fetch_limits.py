@@ -15,10 +15,8 @@ Through real HTTP on a keyed app with a fake engine, against real local servers:
 
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -28,6 +26,7 @@ from app.main import create_app
 from tests.conftest import Clip
 from tests.fakes import FakeEngine
 from tests.test_metrics import fake_settings, samples, serve
+from tests.test_shared_slots import Origin
 from tests.test_tenant_webhooks import bearer, sha
 from tests.test_webhooks import Receiver
 
@@ -37,54 +36,13 @@ GRACE_S = 3.0  # the rate rule's grace here (10 s by default): four waves of A's
 PROMISE_S = 10.0  # the issue's bound on B's job, POST to done
 
 
-class Files:
-    """Local HTTP server: ``/trickle`` answers 200 with a 50 MB Content-Length, then a byte a
-    second; ``/clip`` sends the clip at once; ``/hang`` (POST) reads the body, never answers."""
+class Files(Origin):
+    """tests/test_shared_slots.py's file server declaring 50 MB for ``/trickle``, named
+    ``localhost`` in its base URL (the name the error must show)."""
 
     def __init__(self, clip: bytes) -> None:
-        self.stop = threading.Event()
-        self.trickling = 0
-        self.hanging = 0
-        files = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_GET(self) -> None:
-                self.send_response(200)
-                if self.path == "/clip":
-                    self.send_header("Content-Length", str(len(clip)))
-                    self.end_headers()
-                    self.wfile.write(clip)
-                    return
-                self.send_header("Content-Length", str(50 * 1000 * 1000))
-                self.end_headers()
-                files.trickling += 1
-                try:
-                    while not files.stop.wait(1.0):
-                        self.wfile.write(b"\0")
-                        self.wfile.flush()
-                except OSError:
-                    pass
-
-            def do_POST(self) -> None:
-                self.rfile.read(int(self.headers.get("Content-Length") or 0))
-                files.hanging += 1
-                files.stop.wait(120)
-
-            def log_message(self, *_: object) -> None:
-                pass
-
-        class Server(ThreadingHTTPServer):
-            daemon_threads = True
-            request_queue_size = 256
-
-        self.server = Server(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.base = f"http://localhost:{self.server.server_address[1]}"
-
-    def close(self) -> None:
-        self.stop.set()
-        self.server.shutdown()
-        self.server.server_close()
+        super().__init__("127.0.0.1", clip, declared=50 * 1000 * 1000)
+        self.base = self.base.replace("127.0.0.1", "localhost")
 
 
 @pytest.fixture(scope="module")

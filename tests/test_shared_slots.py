@@ -35,11 +35,13 @@ PROMPT_S = 10.0  # a hang guard on a shared 2-core machine; the 202s take millis
 
 
 class Origin:
-    """A local file server: ``/trickle`` sends a byte a second, ``/clip`` the clip at once."""
+    """A local file server: ``/trickle`` answers 200 declaring ``declared`` bytes and sends a
+    byte a second, ``/clip`` the clip at once; a POST (``/hang``) is read and never answered."""
 
-    def __init__(self, host: str, clip: bytes) -> None:
+    def __init__(self, host: str, clip: bytes, declared: int = 10_000_000) -> None:
         self.stop = threading.Event()
         self.trickling = 0
+        self.hanging = 0
         origin = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -51,7 +53,7 @@ class Origin:
                     self.wfile.write(clip)
                     return
                 self.send_response(200)
-                self.send_header("Content-Length", "10000000")
+                self.send_header("Content-Length", str(declared))
                 self.end_headers()
                 origin.trickling += 1
                 try:
@@ -60,6 +62,11 @@ class Origin:
                         self.wfile.flush()
                 except OSError:
                     pass
+
+            def do_POST(self) -> None:
+                self.rfile.read(int(self.headers.get("Content-Length") or 0))
+                origin.hanging += 1
+                origin.stop.wait(120)
 
             def log_message(self, *_: object) -> None:
                 pass
