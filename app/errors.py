@@ -94,6 +94,19 @@ class NotReady(ServiceError):
 
 
 
+class StoreUnavailable(ServiceError):
+    """The job store cannot be reached now (a PostgreSQL restart or failover): 503, retry
+    shortly; ``detail`` (what the driver said) is for the log."""
+
+    status_code = 503
+    error_type = "store_unavailable"
+
+    def __init__(self, detail: str) -> None:
+        super().__init__("the job store is unavailable for a moment; retry shortly",
+                         headers={"Retry-After": "1"})
+        self.detail = detail
+
+
 class TranscriptionFailed(ServiceError):
     """Inference failed for a window; carried to the one job that owns it."""
 

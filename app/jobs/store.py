@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 import sqlalchemy as sa
 from sqlalchemy.ext.asyncio import AsyncEngine, create_async_engine
 
-from app.errors import ServiceError
+from app.errors import StoreUnavailable
 from app.jobs.migrations import migrate
 from app.jobs.schema import holds, jobs, metadata
 from app.jobs.sqlite import SqliteThread, StoreInUse, lock_sqlite
@@ -49,18 +49,6 @@ OWNER_LOAD = sa.select(sa.func.coalesce(sa.func.sum(COST), 0.0), sa.func.count()
 ANON_LOAD = sa.select(sa.func.coalesce(sa.func.sum(COST), 0.0), sa.func.count()).where(
     ACTIVE, jobs.c.owner.is_(None))
 COUNTS = sa.select(jobs.c.status, sa.func.count()).group_by(jobs.c.status)
-
-
-class StoreUnavailable(ServiceError):
-    """The job store cannot be reached now (the detail is for the log): 503, retry shortly."""
-
-    status_code = 503
-    error_type = "store_unavailable"
-
-    def __init__(self, detail: str) -> None:
-        super().__init__("the job store is unavailable for a moment; retry shortly",
-                         headers={"Retry-After": "1"})
-        self.detail = detail
 
 
 @dataclass
@@ -119,9 +107,7 @@ class JobStore:
         # that order is the oldest-first one, which costs half as much (measured here: a claim
         # took ~5 ms against ~10 ms with 32 queued jobs, 8 against 41 with 2000).
         self.fair = fair
-        # The per-key slots this process holds in the holds table (app/jobs/holds.py): the
-        # heartbeat extends their leases and deletes this replica's other rows.
-        self.holds_alive: set[str] = set()
+        self.holds_alive: set[str] = set()  # this process's rows of holds (app/jobs/holds.py)
         self._sqlite: SqliteThread | None = None
         self.engine: AsyncEngine | None = None
         if url.startswith("sqlite"):
@@ -144,10 +130,8 @@ class JobStore:
         (aiosqlite hopped threads for every cursor, execute, fetch, commit and pool reset:
         ~5 ms of CPU per request against ~2 ms). Others: on the async driver, as ``run_sync``.
 
-        A database that cannot be reached or dropped the connection (a PostgreSQL restart or
-        failover) raises :class:`StoreUnavailable`, a 503 a client retries: unmapped, every
-        request that touched the store while PostgreSQL restarted was answered 500 (issue 51's
-        chaos bench). A refused statement (a unique key) stays itself.
+        A database out of reach (a PostgreSQL restart: every request then got 500) raises
+        :class:`StoreUnavailable`, a 503 clients retry; a refused statement stays itself.
         """
         try:
             if self._sqlite is not None:
@@ -246,9 +230,8 @@ class JobStore:
         """Extend this replica's leases and record progress (windows done per job).
 
         Returns the ids of the jobs it still holds: a job missing here was taken away (its lease
-        expired while this replica stalled, and another one may be running it now). On a shared
-        store the same transaction extends the leases of the per-key slots this process holds
-        (``holds_alive``) and deletes its rows of any others (app/jobs/holds.py).
+        expired while this replica stalled, and another one may be running it now). Shared
+        stores: the leases of ``holds_alive`` too, this replica's other holds deleted.
         """
         mine = (jobs.c.lease_owner == replica, jobs.c.status == "running")
         alive = builtins.list(self.holds_alive) if self.shared else None

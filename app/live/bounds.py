@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
+from app.config import LiveSettings
 from app.live.audio import Format
 from app.live.protocol import ProtocolError
 from app.windows import SAMPLE_RATE
@@ -148,6 +149,27 @@ async def first_of(receive: Awaitable[str | bytes | None], overflow: asyncio.Fut
     if overflow in done:
         raise Overflowed
     raise TimeoutError
+
+
+async def next_message(receive: Awaitable[str | bytes | None], overflow: asyncio.Future[Any],
+                       started: float, limits: LiveSettings
+                       ) -> tuple[str | bytes | None, ProtocolError | None]:
+    """The client's next message (None: it left), or why the session ends instead: the outbox
+    overflowed (code ``outbox_full``), no message within ``idle_timeout_s`` (``idle_timeout``)
+    or the session is ``max_session_s`` old (``session_expired``); the error is the one to tell
+    the client (but for ``outbox_full``: it does not read)."""
+    loop = asyncio.get_running_loop()
+    left = started + limits.max_session_s - loop.time()
+    try:
+        return await first_of(receive, overflow, min(limits.idle_timeout_s, left)), None
+    except Overflowed:
+        return None, ProtocolError("unread events", code="outbox_full")
+    except TimeoutError:
+        expired = loop.time() - started >= limits.max_session_s
+        limit = (f"the maximum duration of {limits.max_session_s:.0f} s" if expired
+                 else f"{limits.idle_timeout_s:.0f} s without a client event")
+        return None, ProtocolError(f"The session hit {limit}; closing.",
+                                   code="session_expired" if expired else "idle_timeout")
 
 
 class Session(Protocol):

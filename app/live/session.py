@@ -37,12 +37,11 @@ from app.errors import ServiceError
 from app.live.audio import AudioDecoder, BadAudio, ChunkBuffer, b64decode
 from app.live.bounds import (
     Outbox,
-    Overflowed,
     Pace,
     Receive,
     append_seconds,
     buffer_full,
-    first_of,
+    next_message,
     over_buffer,
     serve,
 )
@@ -117,40 +116,28 @@ class LiveSession:
     # ---- the transport's side -----------------------------------------------------------------
     async def run(self, receive: Receive) -> str:
         """Serve until the client leaves or a limit; why it ended (see the module doc)."""
-        loop = asyncio.get_running_loop()
-        started = loop.time()
+        started = asyncio.get_running_loop().time()
         self._emit(SessionCreated(session=self.config.as_session(self.id, self.limits, self._created)))
-        reason = "disconnected"
         overflow = asyncio.ensure_future(self.outbox.overflowed.wait())
         try:
             while True:
-                left = started + self.limits.max_session_s - loop.time()
-                try:
-                    msg = await first_of(receive(), overflow,
-                                         min(self.limits.idle_timeout_s, left))
-                except Overflowed:
-                    reason = "outbox_full"
-                    log.info("live session %s: %d bytes of events unread; closing", self.id,
-                             self.outbox.bytes)
-                    break
-                except TimeoutError:
-                    expired = loop.time() - started >= self.limits.max_session_s
-                    reason = "session_expired" if expired else "idle_timeout"
-                    limit = (f"the maximum duration of {self.limits.max_session_s:.0f} s" if expired
-                             else f"{self.limits.idle_timeout_s:.0f} s without a client event")
-                    self._error(ProtocolError(f"The session hit {limit}; closing.", code=reason))
-                    break
+                msg, ended = await next_message(receive(), overflow, started, self.limits)
+                if ended is not None:
+                    if ended.code == "outbox_full":
+                        log.info("live session %s: %d bytes of events unread; closing", self.id,
+                                 self.outbox.bytes)
+                    else:
+                        self._error(ended)
+                    return str(ended.code)
                 if msg is None:
-                    break
+                    return "disconnected"
                 await self.handle(msg)
         finally:
             overflow.cancel()
             await self._wind_down()
-        return reason
 
     def pending_s(self) -> float:
-        """Audio this session holds that is not transcribed yet: its open turn's and that of
-        the turns whose finals are decoding (counted in its key's queued-seconds share)."""
+        """Untranscribed audio: the open turn's and that of turns whose finals are decoding."""
         t = self._turn
         held = (self._buf.end - t.start) / SAMPLE_RATE if t is not None else 0.0
         return held + self._finals_s
