@@ -41,7 +41,7 @@ HEAVY_FIRST = ("test_ray_model", "test_dataset_model", "test_gpu_service", "test
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     def rank(item: pytest.Item) -> int:
-        name = item.module.__name__.rsplit(".", 1)[-1] if item.module else ""
+        name = item.module.__name__.rsplit(".", 1)[-1] if isinstance(item, pytest.Function) else ""
         return HEAVY_FIRST.index(name) if name in HEAVY_FIRST else len(HEAVY_FIRST)
 
     items.sort(key=rank)  # stable: a file's tests keep their order
@@ -66,7 +66,7 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
     before = used()
     yield
-    name = item.module.__name__ if item.module else "?"
+    name = item.module.__name__ if isinstance(item, pytest.Function) else "?"
     _cpu[name] = _cpu.get(name, 0.0) + used() - before
 
 

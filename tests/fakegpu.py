@@ -307,7 +307,10 @@ def install(gpu: FakeGpu) -> FakeGpu:
 
 def install_from_env(env: dict[str, str] | None = None) -> FakeGpu:
     e = os.environ if env is None else env
-    mb = lambda k, d: int(float(e.get(k, d)) * MiB)  # noqa: E731
+
+    def mb(key: str, default: str) -> int:
+        return int(float(e.get(key) or default) * MiB)
+
     gpus = int(e.get("FAKEGPU_GPUS", "1"))
     totals = [mb("FAKEGPU_TOTAL_MB", "4096")] * gpus
     for k, t in enumerate(e.get("FAKEGPU_TOTALS_MB", "").split(",")):

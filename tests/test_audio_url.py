@@ -36,6 +36,7 @@ class Files:
 
     def __init__(self, host: str, files: dict[str, bytes],
                  streams: dict[str, bytes] | None = None) -> None:
+        self.host = host
         self.files = files
         self.streams = {"/endless": b"", **(streams or {})}
         self.sent: dict[str, int] = {}
@@ -88,8 +89,7 @@ class Files:
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
 
     def url(self, path: str) -> str:
-        host, port = self.server.server_address[:2]
-        return f"http://{host}:{port}{path}"
+        return f"http://{self.host}:{self.server.server_port}{path}"
 
     def stop(self) -> None:
         self.server.shutdown()
@@ -139,7 +139,8 @@ def test_audio_url_form_and_json(fetching: Server, files: Files, short_clip: Cli
     url = files.url("/clip.flac").replace("http://", "http://user:secret@") + "?token=abc&v=2"
     for kind in ("form", "json"):
         body = {"audio_url": url, "language": "en"}
-        r = post(fetching, KEY_A, wait=True, **({"data": body} if kind == "form" else {"json": body}))
+        r = (post(fetching, KEY_A, wait=True, data=body) if kind == "form"
+             else post(fetching, KEY_A, wait=True, json=body))
         assert r.status_code == 200, r.text
         job = r.json()
         assert job["status"] == "done" and job["filename"] == "clip.flac", job

@@ -22,6 +22,7 @@ from starlette.routing import WebSocketRoute
 from starlette.websockets import WebSocket
 from websockets.exceptions import InvalidStatus
 from websockets.sync.client import connect
+from websockets.typing import Origin
 
 from app.api.middleware.origin import CrossSiteGuard
 from app.main import create_app
@@ -112,7 +113,7 @@ def socket_url() -> Iterator[str]:
 
 def test_websocket_handshake_from_another_site_is_refused(socket_url: str) -> None:
     with pytest.raises(InvalidStatus) as refused:
-        connect(socket_url, origin="https://evil.example", open_timeout=5)  # type: ignore[arg-type]
+        connect(socket_url, origin=Origin("https://evil.example"), open_timeout=5)
     assert refused.value.response.status_code == 403
     for origin in (None, FRONT, socket_url.replace("ws://", "http://").rsplit("/v1", 1)[0]):
         with connect(socket_url, origin=origin, open_timeout=5) as ws:  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import urllib.parse
 from collections import Counter
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any
 
@@ -145,7 +146,7 @@ def test_flow_fills_to_the_target_and_backs_off() -> None:
 class FakeService:
     """POST /transcribe and GET /jobs?ids= as the service answers them, plus scripted trouble."""
 
-    def __init__(self, script: dict[int, list[int]] | None = None, fail_rows: set[int] = frozenset()):
+    def __init__(self, script: dict[int, list[int]] | None = None, fail_rows: Collection[int] = ()):
         self.jobs: dict[str, dict[str, Any]] = {}
         self.keys: dict[str, str] = {}
         self.posts: list[dict[str, Any]] = []

@@ -92,8 +92,8 @@ def _cut(english: tuple[str, ...]) -> list[tuple[np.ndarray, float, float, str |
     for k, (_, path, language) in enumerate(multilingual()[::2]):
         w = prepare(path, vad, 3600.0)[1][0]
         out.append((w.audio, w.start, w.end, language if k % 2 else None))
-    for path in english:
-        w = prepare(Path(path), vad, 3600.0)[1][0]
+    for name in english:
+        w = prepare(Path(name), vad, 3600.0)[1][0]
         out.append((w.audio, w.start, w.end, None))
     return out
 

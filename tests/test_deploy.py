@@ -15,6 +15,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -102,7 +103,7 @@ def env_of(docs: list[dict]) -> dict[str, str]:
 
 # --------------------------------------------------------------------------- Dockerfile
 
-def test_hadolint_clean():
+def test_hadolint_clean() -> None:
     exe = _tool("hadolint")
     need(exe, f"hadolint not found: {INSTALL_HINT}")
     assert exe is not None
@@ -111,7 +112,7 @@ def test_hadolint_clean():
     assert proc.returncode == 0 and not proc.stdout.strip(), proc.stdout + proc.stderr
 
 
-def test_dockerfile_essentials():
+def test_dockerfile_essentials() -> None:
     text = (ROOT / "Dockerfile").read_text()
     assert re.search(r"^ARG VARIANT=cuda$", text, re.M)
     # No CUDA libraries from the base: cuBLAS (the only one CTranslate2 dlopens) is torch's wheel.
@@ -145,7 +146,7 @@ def _expand(value: str, env: dict[str, str]) -> str:
     return value
 
 
-def test_ld_library_path_keeps_the_base_images_driver_paths():
+def test_ld_library_path_keeps_the_base_images_driver_paths() -> None:
     """The runtime's LD_LIBRARY_PATH adds torch's cuBLAS to the base image's value instead of
     replacing it: on the cuda base the driver's mount points stay searched, and on the cpu base
     (none set) no empty element appears (an empty element searches the working directory)."""
@@ -159,7 +160,7 @@ def test_ld_library_path_keeps_the_base_images_driver_paths():
         assert dirs[1:] == ([] if not base else CUDA_BASE_LD_PATH.split(":")), (base, dirs)
 
 
-def test_ctranslate2_wheel_needs_cublas_and_no_cudnn():
+def test_ctranslate2_wheel_needs_cublas_and_no_cudnn() -> None:
     """What the cuda image's base rests on: the CTranslate2 wheel names libcublas.so.12 (it
     dlopens it) and no cuDNN at all. A CTranslate2 upgrade that changes this fails here."""
     import glob
@@ -173,7 +174,7 @@ def test_ctranslate2_wheel_needs_cublas_and_no_cudnn():
     assert b"libcudnn" not in data and b"cudnnCreate" not in data
 
 
-def test_gpu_overlay_serves_a_gpu_model_sized_by_the_app():
+def test_gpu_overlay_serves_a_gpu_model_sized_by_the_app() -> None:
     env = env_of(render("gpu"))
     assert env["BATCHSCRIBE_MODEL__NAME"] not in ("whisper-base", "whisper-tiny")
     for fixed in ("BATCHSCRIBE_MODEL__NUM_WORKERS", "BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE"):
@@ -181,14 +182,14 @@ def test_gpu_overlay_serves_a_gpu_model_sized_by_the_app():
     assert env_of(render("cpu"))["BATCHSCRIBE_MODEL__NAME"] == "whisper-base"
 
 
-def test_image_user_matches_pod_security_context():
+def test_image_user_matches_pod_security_context() -> None:
     users = re.findall(r"^USER (\d+)", (ROOT / "Dockerfile").read_text(), re.M)
     pod_sc = one(render("gpu"), "Deployment")["spec"]["template"]["spec"]["securityContext"]
     assert pod_sc["runAsNonRoot"] is True
     assert str(pod_sc["runAsUser"]) == users[-1]
 
 
-def test_dockerignore_keeps_what_the_build_copies():
+def test_dockerignore_keeps_what_the_build_copies() -> None:
     lines = (ROOT / ".dockerignore").read_text().split()
     for needed in ("pyproject.toml", "README.md", "app/", "models/"):
         assert f"!{needed}" in lines, f".dockerignore must let {needed} through"
@@ -197,14 +198,14 @@ def test_dockerignore_keeps_what_the_build_copies():
 # --------------------------------------------------------------------------- Kustomize
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_overlay_renders(overlay):
+def test_overlay_renders(overlay: str) -> None:
     kinds = {d["kind"] for d in render(overlay)}
     assert {"Namespace", "ConfigMap", "Secret", "PersistentVolumeClaim", "Deployment",
             "Service", "PodDisruptionBudget", "HorizontalPodAutoscaler",
             "ServiceMonitor"} <= kinds
 
 
-def _validator():
+def _validator() -> tuple[Any, Any]:
     try:
         import kubernetes_validate
         from kubernetes_validate import utils
@@ -219,7 +220,7 @@ def _k8s_versions() -> list[str]:
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_overlay_validates_against_k8s_schemas(overlay):
+def test_overlay_validates_against_k8s_schemas(overlay: str) -> None:
     kv, _ = _validator()
     docs = render(overlay)
     checked = 0
@@ -238,7 +239,7 @@ def test_overlay_validates_against_k8s_schemas(overlay):
     assert checked >= 8 * len(_k8s_versions())
 
 
-def test_strict_validation_catches_a_typo():
+def test_strict_validation_catches_a_typo() -> None:
     """Guards the test above against validating nothing."""
     kv, _ = _validator()
     dep = copy.deepcopy(one(render("gpu"), "Deployment"))
@@ -248,7 +249,7 @@ def test_strict_validation_catches_a_typo():
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_grace_period_exceeds_app_shutdown_grace(overlay):
+def test_grace_period_exceeds_app_shutdown_grace(overlay: str) -> None:
     docs = render(overlay)
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
     grace = float(env_of(docs)["BATCHSCRIBE_SHUTDOWN_GRACE_S"])
@@ -266,7 +267,7 @@ def test_grace_period_exceeds_app_shutdown_grace(overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_probes(overlay):
+def test_probes(overlay: str) -> None:
     docs = render(overlay)
     c = container(docs)
     assert c["livenessProbe"]["httpGet"]["path"] == "/healthz"
@@ -280,7 +281,7 @@ def test_probes(overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_objects_reference_each_other(overlay):
+def test_objects_reference_each_other(overlay: str) -> None:
     docs = render(overlay)
     dep = one(docs, "Deployment")
     pod_labels = dep["spec"]["template"]["metadata"]["labels"]
@@ -309,21 +310,21 @@ def test_objects_reference_each_other(overlay):
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_hpa_scales_on_backlog_metric(overlay):
+def test_hpa_scales_on_backlog_metric(overlay: str) -> None:
     metrics = one(render(overlay), "HorizontalPodAutoscaler")["spec"]["metrics"]
     assert [(m["type"], m["external"]["metric"]["name"]) for m in metrics] == [("External", METRIC)]
     # The backlog is the shared store's total on every pod: AverageValue divides it by replicas.
     assert metrics[0]["external"]["target"]["type"] == "AverageValue"
 
 
-def test_prometheus_adapter_exposes_the_hpa_metric():
+def test_prometheus_adapter_exposes_the_hpa_metric() -> None:
     values = yaml.safe_load((K8S / "prometheus-adapter" / "values.yaml").read_text())
     rules = values["rules"]["external"]
     assert any(METRIC in r["seriesQuery"] and r["name"]["as"] == METRIC
                and r["metricsQuery"].startswith("max") for r in rules)
 
 
-def test_cpu_overlay_requests_no_gpu():
+def test_cpu_overlay_requests_no_gpu() -> None:
     docs = render("cpu")
     pod = one(docs, "Deployment")["spec"]["template"]["spec"]
     assert GPU not in _render_text("cpu")
@@ -337,7 +338,7 @@ def test_cpu_overlay_requests_no_gpu():
     assert float(container(docs)["resources"]["requests"]["cpu"]) > gpu_cpu
 
 
-def test_gpu_overlay_requests_a_gpu():
+def test_gpu_overlay_requests_a_gpu() -> None:
     docs = render("gpu")
     limits = container(docs)["resources"]["limits"]
     assert int(limits[GPU]) == 1
@@ -346,7 +347,7 @@ def test_gpu_overlay_requests_a_gpu():
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_env_names_are_real_settings(overlay):
+def test_env_names_are_real_settings(overlay: str) -> None:
     """The app refuses unknown BATCHSCRIBE_* variables at start (app/config): a typo here would
     fail the rollout, so catch it before."""
     if str(ROOT) not in sys.path:

@@ -6,7 +6,6 @@ provisioned speaker models (scripts/setup.sh); under ``CI`` a missing one fails 
 
 from __future__ import annotations
 
-import io
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -154,7 +153,7 @@ def test_srt_and_vtt_carry_the_speakers(client: httpx.Client, diarized: dict[str
     for sub, name in zip(subs, names, strict=True):
         assert sub.content.startswith(f"[{name}] "), sub.content
     vtt = client.get(f"/jobs/{job_id}/result", params={"format": "vtt"}).text
-    cues = list(webvtt.from_buffer(io.StringIO(vtt)))
+    cues = webvtt.from_string(vtt).captions
     assert [c.voice for c in cues] == names
     assert {c.voice for c in cues} == set(result["speakers"])
     tsv = client.get(f"/jobs/{job_id}/result", params={"format": "tsv"}).text.splitlines()
@@ -217,4 +216,4 @@ def test_channels_separate_puts_each_channels_text_under_its_label(
     starts = [s["start"] for s in result["segments"]]
     assert starts == sorted(starts)
     vtt = client.get(f"/jobs/{job['id']}/result", params={"format": "vtt"}).text
-    assert {c.voice for c in webvtt.from_buffer(io.StringIO(vtt))} == {"channel_0", "channel_1"}
+    assert {c.voice for c in webvtt.from_string(vtt).captions} == {"channel_0", "channel_1"}

@@ -264,7 +264,7 @@ def test_a_diarize_job_names_its_segments_and_reports_its_speaker_time(
     assert job["status"] == "done", job
     segs = job["result"]["segments"]
     assert len({s["speaker"] for s in segs}) == 2 and job["result"]["speakers"]
-    by_turn = {}
+    by_turn: dict[str, set[str]] = {}
     for s, (_, _, who) in zip(segs, truth, strict=True):
         by_turn.setdefault(who, set()).add(s["speaker"])
     assert all(len(v) == 1 for v in by_turn.values()) and by_turn["A"] != by_turn["B"]

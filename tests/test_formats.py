@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import itertools
 
 import numpy as np
@@ -18,7 +17,7 @@ from app.windows import SAMPLE_RATE, Window, WindowResult, Word
 
 
 def vtt_cues(text: str) -> list[tuple[float, float, str]]:
-    return [(_secs(c.start), _secs(c.end), c.text) for c in webvtt.from_buffer(io.StringIO(text))]
+    return [(_secs(c.start), _secs(c.end), c.text) for c in webvtt.from_string(text).captions]
 
 
 def _secs(stamp: str) -> float:

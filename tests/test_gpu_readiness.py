@@ -301,6 +301,7 @@ def test_warmup_halves_a_batch_the_device_cannot_hold(gpu_patch: Any) -> None:
     assert sizing.unit_bytes == (2 * 500 + 4 * 100) // 4 * MiB  # probe: encoder + decoder caches
     assert sizing.oom_steps >= 1 and sizing.verified is not None and sizing.units is not None
     assert sizing.verified < sizing.units
+    assert sizing.free_bytes is not None
     assert 2 * sizing.verified * (500 + 100) * MiB <= sizing.free_bytes  # what ran fits twice
 
 

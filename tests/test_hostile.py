@@ -96,9 +96,9 @@ def test_every_reported_ssrf_callback_url_is_400_at_submit(hostile: Server, shor
 
 
 # ---- clients that retry ---------------------------------------------------------------------------
-def sdk(srv: Server, key: str, seen: list[httpx.Request]) -> openai.OpenAI:
+def sdk(srv: Server, key: str, seen: list[object]) -> openai.OpenAI:
     """The real OpenAI client with its default retries; every HTTP request it makes is seen."""
-    http = httpx.Client(event_hooks={"request": [seen.append]}, timeout=600)
+    http = openai.DefaultHttpxClient(event_hooks={"request": [seen.append]}, timeout=600)
     return openai.OpenAI(base_url=f"{srv.url}/v1", api_key=key, http_client=http)
 
 
@@ -111,7 +111,7 @@ def named(srv: Server, key: str, filename: str) -> list[dict[str, Any]]:
 def test_openai_sdk_makes_one_job_for_audio_that_fails_later(hostile: Server) -> None:
     """Accepted on its header, failed when decoded: a 413 that says not to retry, one request,
     one job (it used to be a 500, retried twice: three jobs)."""
-    seen: list[httpx.Request] = []
+    seen: list[object] = []
     with pytest.raises(openai.APIStatusError) as info:
         sdk(hostile, KEY_B, seen).audio.transcriptions.create(
             model="whisper-1", file=("liar.flac", lying_flac()))
@@ -130,7 +130,7 @@ def test_a_sample_rate_change_mid_stream_decodes(hostile: Server) -> None:
     """Two MP3s of different rates joined pass the probe; the rate change mid-stream once
     raised a bare ValueError in the resampler (a 500 on /v1). The decoder now starts a new
     resampler there: one request, one answer, no error."""
-    seen: list[httpx.Request] = []
+    seen: list[object] = []
     out = sdk(hostile, KEY_B, seen).audio.transcriptions.create(
         model="whisper-1", file=("rates2.mp3", rate_change_mp3()))
     assert isinstance(out.text, str) and len(seen) == 1

@@ -254,7 +254,7 @@ def test_runs_of_the_live_bench_pool_by_words() -> None:
     (older files) and other N are kept apart."""
     from loadtest.live_report import pooled
 
-    def row(n: int, live: float, turns: float, words: int) -> dict[str, object]:
+    def row(n: int, live: float, turns: float, words: int) -> dict[str, Any]:
         return {"streams": n, "wer_percent": live, "turns_uploaded": {"wer_percent": turns},
                 "batch_wer_percent": 5.0, "batch_stream_wer_percent": 9.0,
                 "wer_by_set": {"read_speech": {"words": words - 10}, "other_sets": {"words": 10}}}

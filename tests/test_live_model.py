@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from app.client.scoring import wer_percent
+from app.engine.whisper import WhisperEngine
 from app.live.audio import encode_pcm16
 from app.live.config import LiveLimits
 from app.live.decoding import engine_decoder
@@ -22,7 +23,7 @@ from tests.conftest import corpus_clips
 pytestmark = pytest.mark.model
 
 
-async def test_real_model_turns_text_while_speaking_and_completed_transcripts(engine) -> None:
+async def test_real_model_turns_text_while_speaking_and_completed_transcripts(engine: WhisperEngine) -> None:
     from app.audio import decode
     from app.audio.vad import SileroVad
     from app.engine.placement import EngineRunner
@@ -56,15 +57,15 @@ async def test_real_model_turns_text_while_speaking_and_completed_transcripts(en
                                                "input_audio_transcription.failed")] == []
     completed = [e for e in events if e["type"].endswith(".completed")]
     assert len(completed) >= 2
-    for c in completed:
+    for done in completed:
         joined = "".join(e["delta"] for e in events
-                         if e["type"].endswith(".delta") and e["item_id"] == c["item_id"])
-        assert joined == c["transcript"]
+                         if e["type"].endswith(".delta") and e["item_id"] == done["item_id"])
+        assert joined == done["transcript"]
     first_commit = next(i for i, e in enumerate(events)
                         if e["type"] == "input_audio_buffer.committed")
     assert any(e["type"].endswith(".delta") for e in events[:first_commit]), \
         "no interim text while the first clip was being spoken"
-    text = " ".join(c["transcript"] for c in completed)
+    text = " ".join(done["transcript"] for done in completed)
     wer = wer_percent([" ".join(c.reference for c in chosen)], [text])
     assert wer is not None and wer <= 15.0, text
 
@@ -92,7 +93,7 @@ async def stream(session: LiveSession, audio: np.ndarray, pace_s: float = 0.05,
     return events
 
 
-async def test_a_sentence_said_with_pauses_is_read_on_from_its_last_piece(engine) -> None:
+async def test_a_sentence_said_with_pauses_is_read_on_from_its_last_piece(engine: WhisperEngine) -> None:
     """Beckett's "Ever tried. Ever failed. No matter. ..." said with short pauses: server VAD
     at OpenAI's defaults ends a turn at each, and a turn whose audio touches the one before
     (``context_gap_ms`` 0) is read after it, continuing its text. Each completed transcript is
@@ -135,7 +136,7 @@ async def test_a_sentence_said_with_pauses_is_read_on_from_its_last_piece(engine
     assert wers["continued"] <= wers["alone"], (texts, wers)
 
 
-async def test_semantic_vad_keeps_a_phrase_said_with_a_long_pause_in_one_turn(engine) -> None:
+async def test_semantic_vad_keeps_a_phrase_said_with_a_long_pause_in_one_turn(engine: WhisperEngine) -> None:
     """MFA's "Montreal forced ... um ... forced aligner", with a 2 s pause after "Montreal
     forced": server_vad at OpenAI's defaults ends a turn there (the detector alone, no decode).
     With semantic_vad (eagerness auto: 4 s for a turn that does not sound finished) the read

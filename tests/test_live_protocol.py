@@ -28,6 +28,7 @@ from app.live.protocol import (
     Append,
     PcmuFormat,
     ProtocolError,
+    ServerVad,
     SessionUpdate,
     parse_client_event,
 )
@@ -75,8 +76,9 @@ def test_the_sdks_own_session_update_parses() -> None:
     }
     ev = parse_client_event(json.dumps(update))
     assert isinstance(ev, SessionUpdate)
-    inp = ev.session.audio.input  # type: ignore[union-attr]
-    assert isinstance(inp.format, PcmuFormat) and inp.turn_detection.threshold == 0.6
+    inp = ev.session.audio.input if ev.session.audio else None
+    assert inp is not None and isinstance(inp.format, PcmuFormat)
+    assert isinstance(inp.turn_detection, ServerVad) and inp.turn_detection.threshold == 0.6
     cfg = SessionConfig()
     cfg.apply(ev.session)
     assert cfg.format == PcmuFormat() and cfg.transcription.language == "en"  # type: ignore[union-attr]

@@ -102,6 +102,7 @@ async def test_a_keyed_session_is_kept_as_a_job_with_its_formats_and_webhook(
         url: str, hooks: Receiver) -> None:
     async with connect(ws_url(url, callback_url=hooks.url),
                        additional_headers={"Authorization": f"Bearer {KEY}"}) as ws:
+        assert ws.response is not None
         job_id = ws.response.headers["x-batchscribe-job"]
         await until(ws, "session.created")
         await ws.send(MANUAL)

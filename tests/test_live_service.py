@@ -14,9 +14,9 @@ import numpy as np
 import pytest
 
 from app.audio import decode
-from app.client.scoring import wer_percent
 from app.live.audio import encode_pcm16
 from tests.conftest import READ_SPEECH, Clip, Server
+from tests.wer import wer
 
 pytestmark = pytest.mark.model
 BOUND = 60.0
@@ -70,7 +70,7 @@ async def test_the_openai_sdk_transcribes_live_on_the_service(server: Server,
         assert kinds.index("input_audio_buffer.speech_stopped") < kinds.index(COMPLETED)
         deltas = "".join(e.delta for e in seen if e.type == DELTA and e.item_id == done.item_id)
         assert deltas == done.transcript  # what was shown is never contradicted
-        assert wer_percent([clip.reference], [done.transcript]) <= 25.0, done.transcript
+        assert wer([clip.reference], [done.transcript]) <= 0.25, done.transcript
 
         # manual turns on the same connection: nothing happens until the commit
         await conn.session.update(session={"type": "transcription",
@@ -83,7 +83,7 @@ async def test_the_openai_sdk_transcribes_live_on_the_service(server: Server,
         await conn.input_audio_buffer.commit()
         manual = await events_until(conn, COMPLETED, seen)
         assert manual.item_id != done.item_id
-        assert wer_percent([clip.reference], [manual.transcript]) <= 25.0, manual.transcript
+        assert wer([clip.reference], [manual.transcript]) <= 0.25, manual.transcript
 
 
 async def test_a_client_secret_minted_by_the_sdk_opens_its_session(server: Server,
@@ -117,7 +117,7 @@ async def test_a_client_secret_minted_by_the_sdk_opens_its_session(server: Serve
         done = await events_until(conn, COMPLETED, seen)
     kinds = [e.type for e in seen]
     assert "input_audio_buffer.speech_started" not in kinds and "error" not in kinds, kinds
-    assert wer_percent([clip.reference], [done.transcript]) <= 25.0, done.transcript
+    assert wer([clip.reference], [done.transcript]) <= 0.25, done.transcript
 
 def test_keyless_handshakes_answer_only_loopback_host_names(server: Server) -> None:
     """Without keys the Host rule of every route holds on the socket too (DNS rebinding)."""

@@ -326,7 +326,7 @@ async def test_a_client_faster_than_real_time_is_slowed_not_buffered() -> None:
     dec.gate.set()
     await asyncio.wait_for(blocked, 5)
     outbox = [session.outbox.get_nowait() for _ in range(session.outbox.qsize())]
-    assert outbox[-1]["type"].endswith(".completed")
+    assert outbox[-1] is not None and outbox[-1]["type"].endswith(".completed")
 
 
 def test_pcm16_event_from_the_sdk_helper_shape() -> None:
@@ -358,7 +358,8 @@ async def test_each_interim_tells_the_agreement_how_much_audio_it_read(
     reads = [s for kind, s, _ in dec.calls if kind == "interim"]
     assert reads and heard[0] == pytest.approx(reads[0])  # the first interim's read
     early = next(s for kind, s, _ in dec.calls if kind == "final")
-    assert len(heard) >= 2 and heard[1] == pytest.approx(early) and early > heard[0]
+    assert len(heard) >= 2 and heard[0] is not None
+    assert heard[1] == pytest.approx(early) and early > heard[0]
     done = [e for e in events if e["type"].endswith(".completed")]
     assert done[0]["transcript"] == joined(events, done[0]["item_id"])
 

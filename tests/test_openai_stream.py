@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import wave
-from collections.abc import Awaitable, Callable, Iterator
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -76,7 +76,7 @@ async def test_every_window_is_readable_when_its_change_fires(
     await rig.runner.submit("j1", upload, clip.path.name, JobOptions(), clip.duration_s, None)
     assert await asyncio.wait_for(_ended(rig, "j1"), 60) == "done"
     row = await rig.store.get("j1")
-    assert row is not None and row.windows_total >= 2
+    assert row is not None and row.windows_total is not None and row.windows_total >= 2
     full = [s for s in seen if s is not None and len(s) == row.windows_total]
     assert full, seen
     assert " ".join(t.strip() for t in full[0]) == row.result["text"]  # type: ignore[index]
@@ -200,6 +200,7 @@ async def test_a_client_that_hangs_up_cancels_the_job() -> None:
     row = Row("running")
     runner = FakeDoor(row, prefix=[" Hello."])
     gen = openai_stream.transcript_events(runner, "j", None)  # type: ignore[arg-type]
+    assert isinstance(gen, AsyncGenerator)  # an async generator: what Starlette closes
     assert parse(await gen.__anext__()) is not None
     await gen.aclose()  # what Starlette does when the client disconnects
     await asyncio.sleep(0.05)  # the cancellation runs as its own task

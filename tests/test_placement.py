@@ -51,7 +51,12 @@ async def rig() -> AsyncIterator[Callable[..., Rig]]:
         settings = BatcherSettings(max_batch_size=cap, max_wait_ms=wait_ms, job_memory_mb=0)
         b = Batcher(pool.run, settings, pool.workers, Metrics())
         r = Rig(list(fakes), pool, b)
-        pool.on_remove = lambda n: (r.retired.append(n), b.retire_slots(n))  # type: ignore[func-returns-value]
+
+        def removed(n: int) -> None:
+            r.retired.append(n)
+            b.retire_slots(n)
+
+        pool.on_remove = removed
         b.start()
         made.append(r)
         return r

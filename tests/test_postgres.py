@@ -110,6 +110,7 @@ async def test_concurrent_migrations_and_skip_locked_claims(db: str) -> None:
     a, b = JobStore(db), JobStore(db)
     try:
         await asyncio.gather(a.init(), b.init())  # two replicas starting together
+        assert a.engine is not None
         async with a.engine.connect() as conn:
             version = (await conn.execute(sa.text("SELECT version_num FROM alembic_version"))).scalar()
             diff = await conn.run_sync(lambda c: compare_metadata(MigrationContext.configure(c),

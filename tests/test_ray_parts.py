@@ -101,7 +101,9 @@ def test_row_audio_from_every_shape(tmp_path: Path, clips: list[Clip]) -> None:
     assert audio_source({"audio_filepath": str(clip.path), "path": "x"}) == str(clip.path)
     assert audio_source({"path": "a.wav", "bytes": data}) == data  # read_binary_files
     assert audio_source({"audio": {"bytes": data, "path": "a.flac"}}) == data
-    samples, rate = audio_source({"amplitude": np.zeros((2, 800)), "sample_rate": 8000})  # type: ignore[misc]
+    decoded = audio_source({"amplitude": np.zeros((2, 800)), "sample_rate": 8000})
+    assert isinstance(decoded, tuple)
+    samples, rate = decoded
     assert samples.shape == (2, 800) and rate == 8000
     with pytest.raises(RowError, match="no audio"):
         audio_source({"text": "hello"})

@@ -4,7 +4,6 @@ transcript of ``channels=separate``, and each channel of a stereo upload cut on 
 from __future__ import annotations
 
 import html
-import io
 from pathlib import Path
 from typing import Any
 
@@ -45,7 +44,7 @@ def test_srt_cues_are_prefixed_with_their_speaker() -> None:
 def test_vtt_cues_are_voice_spans_and_escaped() -> None:
     text = render(DIALOGUE, "vtt")
     assert "<v SPEAKER_01>Hi &lt;you&gt; &amp; me." in text
-    cues = list(webvtt.from_buffer(io.StringIO(text)))
+    cues = webvtt.from_string(text).captions
     assert [c.voice for c in cues] == ["SPEAKER_00", "SPEAKER_01", "SPEAKER_00"]
     # webvtt-py strips the tags and leaves the entities as they are.
     assert [html.unescape(c.text) for c in cues] == ["Hello there.", "Hi <you> & me.", "Bye."]

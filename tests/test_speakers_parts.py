@@ -189,7 +189,11 @@ async def test_stopping_the_batcher_answers_every_caller() -> None:
     from app.batching.primitive import ModelBatcher
 
     gate, pool = threading.Event(), ThreadPoolExecutor(1)
-    b: ModelBatcher[int, int] = ModelBatcher(lambda xs: gate.wait(30) and xs, pool, max_batch=1)
+    def held(xs: list[int]) -> list[int]:
+        assert gate.wait(30)
+        return xs
+
+    b: ModelBatcher[int, int] = ModelBatcher(held, pool, max_batch=1)
     b.start()
     try:
         running = asyncio.ensure_future(b.run("a", [1]))

@@ -3,7 +3,6 @@ End to end (GET /jobs/{id}/result, /v1, /asr with these options) in tests/test_a
 
 from __future__ import annotations
 
-import io
 import itertools
 
 import srt
@@ -68,7 +67,7 @@ def test_longest_cue_without_word_times_shares_time_by_characters() -> None:
 
 def test_line_width_wraps_and_vtt_parses() -> None:
     text = render(timed_result(), "vtt", CueOptions(max_line_width=16))
-    parsed = list(webvtt.from_buffer(io.StringIO(text)))
+    parsed = webvtt.from_string(text).captions
     assert len(parsed) == 2
     assert all(len(line) <= 16 for c in parsed for line in c.text.split("\n"))
 

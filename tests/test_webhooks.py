@@ -189,7 +189,8 @@ async def test_dispatcher_retries_then_delivers_once(tmp_path: Path, receiver: R
         assert [h.headers["X-Batchscribe-Attempt"] for h in hits] == ["1", "2"]
         assert hits[-1].job["status"] == "failed" and hits[-1].job["error"]["message"] == "boom"
         assert hits[-1].headers["X-Batchscribe-Event"] == "job.failed"
-        assert not receiver.for_job("j-cancelled") and (await store.get("j-nourl")).webhook_status is None
+        nourl = await store.get("j-nourl")
+        assert not receiver.for_job("j-cancelled") and nourl is not None and nourl.webhook_status is None
     finally:
         await hooks.stop()
         await hooks.guard.aclose()
