@@ -9,10 +9,10 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import pytest
@@ -23,6 +23,11 @@ from app.engine.whisper import WhisperEngine
 from loadtest.common import free_port
 from models.registry import resolve
 from tests.fakegpu import FakeDevice, FakeGpu, install
+from tests.fakes import Rigs
+from tests.helpers import openai_client
+
+if TYPE_CHECKING:
+    from openai import OpenAI
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "corpus"))
@@ -257,3 +262,21 @@ def gpu_patch(monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
         return install(gpu)
 
     yield make
+
+
+@pytest.fixture(scope="session")
+def oa(server: Server) -> Iterator[OpenAI]:
+    """The official OpenAI client on the shared real-model service (tests/helpers.py's
+    ``openai_client``: no retries)."""
+    client = openai_client(server.url)
+    yield client
+    client.close()
+
+
+@pytest.fixture
+async def rigs() -> AsyncIterator[Rigs]:
+    """Batchers on fake engines as the service wires them (tests/fakes.py's ``Rig``):
+    ``rigs.make(FakeEngine(), max_batch_size=4)``; all stopped at the end, gates open."""
+    made = Rigs()
+    yield made
+    await made.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -19,22 +19,101 @@ async def gather(futs: list[asyncio.Future]) -> list:
     return await asyncio.wait_for(asyncio.gather(*futs, return_exceptions=True), BOUND)
 
 
-class Started:
-    """Batchers a test started, stopped at teardown with their fakes' gates open."""
+F = TypeVar("F", bound="FakeEngine")
+
+
+class Rig(Generic[F]):
+    """A batcher on fake engines, wired as the service wires it (``make_pool`` and
+    ``make_batcher``): the rig of the batcher's, stages', urgency, placement and live decoding
+    tests. ``fakes[k]`` is engine ``k``; ``retired`` the worker counts the pool took out."""
+
+    def __init__(self, fakes: Sequence[F], **batcher: Any) -> None:
+        from app.config import BatcherSettings, Settings
+        from app.engine.placement import make_pool
+        from app.jobs.pipeline import make_batcher
+        from app.metrics import Metrics
+
+        self.fakes = list(fakes)
+        self.metrics = Metrics()
+        self.pool = make_pool(self.fakes)
+        self.batcher = make_batcher(Settings(batcher=BatcherSettings(**batcher)), self.pool,
+                                    self.metrics)
+        self.retired: list[int] = []
+        retire = self.pool.on_remove
+
+        def removed(n: int) -> None:
+            self.retired.append(n)
+            if retire is not None:
+                retire(n)
+
+        self.pool.on_remove = removed
+
+    @property
+    def fake(self) -> F:
+        return self.fakes[0]
+
+    async def blocker(self, seconds: float = 2.0, tag: int = 999) -> list[asyncio.Future[Any]]:
+        """Close the gate and park one window of ``seconds`` (job ``blocker``) inside the
+        engine, so the next ones queue up; :meth:`release` lets it go."""
+        self.fake.gate.clear()
+        futs = self.batcher.submit("blocker", [tagged_window(tag, seconds)], DecodeOptions())
+        await self.hold()
+        return futs
+
+    async def hold(self, n: int = 1) -> None:
+        """Wait until ``n`` more engine calls are parked inside the (closed) gate."""
+        for _ in range(n):
+            await asyncio.to_thread(self.fake.entered.acquire, True, BOUND)
+
+    def release(self) -> None:
+        self.fake.gate.set()
+
+    async def run(self, n: int, job: str = "j") -> list[Any]:
+        """``n`` windows of one job through the batcher: their results (or exceptions)."""
+        return await gather(self.batcher.submit(job, [tagged_window(i) for i in range(n)],
+                                                DecodeOptions()))
+
+    def sizes(self) -> list[int]:
+        """The size of each batch the (unstaged) engine ran, in order."""
+        return [len(tags) for _, tags in self.fake.batches]
+
+    def tags(self, k: int = 0) -> list[int]:
+        """Every window engine ``k`` ran, in order."""
+        return [t for _, tags in self.fakes[k].batches for t in tags]
+
+    def calls(self, stage: str | None = None) -> list[list[int]]:
+        """The windows of each call of a staged engine (of ``stage`` only, if given)."""
+        fake = self.fake
+        assert isinstance(fake, FakeStagedEngine)
+        return [tags for s, tags in fake.calls if stage in (None, s)]
+
+    def shed(self) -> float:
+        """Interim reads the batcher shed."""
+        return float(self.metrics.interim_shed._value.get())
+
+
+class Rigs:
+    """The rigs a test made (started), stopped at teardown with every gate open: the
+    ``rigs`` fixture (tests/conftest.py)."""
 
     def __init__(self) -> None:
-        self._made: list[tuple[FakeEngine, Any]] = []
+        self._made: list[Rig[Any]] = []
 
-    def add(self, fake: FakeEngine, batcher: Any) -> None:
-        batcher.start()
-        self._made.append((fake, batcher))
+    def make(self, *fakes: F, **batcher: Any) -> Rig[F]:
+        """A started :class:`Rig` on ``fakes``; ``batcher`` as BatcherSettings' fields."""
+        rig = Rig(fakes, **batcher)
+        rig.batcher.start()
+        self._made.append(rig)
+        return rig
 
     async def stop(self) -> None:
-        for fake, batcher in self._made:
-            fake.gate.set()
-            if isinstance(fake, FakeStagedEngine):
-                fake.redo_gate.set()
-            await batcher.stop(5)
+        for rig in self._made:
+            for fake in rig.fakes:
+                fake.gate.set()
+                if isinstance(fake, FakeStagedEngine):
+                    fake.redo_gate.set()
+            await rig.batcher.stop(5)
+            rig.pool.close()
 
 
 def tagged_window(tag: int, seconds: float = 2.0, start: float = 0.0,

@@ -30,7 +30,7 @@ from app.errors import PayloadTooLarge
 from app.results.asr import asr_body, asr_json
 from app.results.formats import CueOptions
 from tests.conftest import CORPUS, Clip, Server
-from tests.test_crash import wait_until
+from tests.helpers import wait_until
 from tests.test_e2e import metric
 from tests.test_subtitles import SENTENCE, timed_result
 from tests.wer import wer

@@ -17,8 +17,9 @@ from typing import Any
 import pytest
 
 from tests.conftest import Clip, Server
-from tests.test_hostile import post
-from tests.test_security import KEY_A, sha
+from tests.helpers import sha
+from tests.test_hostile import post_as
+from tests.test_security import KEY_A
 from tests.wer import wer
 
 pytestmark = pytest.mark.model
@@ -139,19 +140,19 @@ def test_audio_url_form_and_json(fetching: Server, files: Files, short_clip: Cli
     url = files.url("/clip.flac").replace("http://", "http://user:secret@") + "?token=abc&v=2"
     for kind in ("form", "json"):
         body = {"audio_url": url, "language": "en"}
-        r = (post(fetching, KEY_A, wait=True, data=body) if kind == "form"
-             else post(fetching, KEY_A, wait=True, json=body))
+        r = (post_as(fetching, KEY_A, wait=True, data=body) if kind == "form"
+             else post_as(fetching, KEY_A, wait=True, json=body))
         assert r.status_code == 200, r.text
         job = r.json()
         assert job["status"] == "done" and job["filename"] == "clip.flac", job
         assert wer([short_clip.reference], [job["result"]["text"]]) < 0.3, job["result"]["text"]
         # Recorded without its credentials.
         assert job["options"]["audio_url"] == files.url("/clip.flac") + "?token=REDACTED&v=2"
-    r = post(fetching, KEY_A, json={"audio_url": url, "beam_size": "3"})  # JSON types are strict
+    r = post_as(fetching, KEY_A, json={"audio_url": url, "beam_size": "3"})  # JSON types are strict
     assert r.status_code == 422 and r.json()["error"]["fields"][0]["field"] == "body.beam_size"
-    r = post(fetching, KEY_A, json={"audio_url": url, "file": "x"})
+    r = post_as(fetching, KEY_A, json={"audio_url": url, "file": "x"})
     assert r.status_code == 422, r.text
-    r = post(fetching, KEY_A, data={"audio_url": url},
+    r = post_as(fetching, KEY_A, data={"audio_url": url},
              files={"file": (short_clip.path.name, short_clip.path.read_bytes())})
     assert r.status_code == 422 and "one of the two" in r.json()["error"]["message"]
 
@@ -163,7 +164,7 @@ def test_audio_url_on_a_private_address_is_refused(fetching: Server, short_clip:
                     private.url("/clip.flac").replace("127.0.0.1", "localhost"),
                     "http://169.254.169.254/latest/meta-data/", "file:///etc/passwd",
                     "s3://some-bucket/clip.flac"):
-            r = post(fetching, KEY_A, json={"audio_url": url})
+            r = post_as(fetching, KEY_A, json={"audio_url": url})
             assert r.status_code == 400, (url, r.text)
             assert r.json()["error"]["field"] == "audio_url"
         assert private.hits == []  # refused before any connection
@@ -174,14 +175,14 @@ def test_audio_url_on_a_private_address_is_refused(fetching: Server, short_clip:
 def test_audio_url_limits_apply_while_it_streams(fetching: Server, files: Files) -> None:
     """The job is answered at once (the download is part of it) and fails with the error an
     upload would have got."""
-    r = post(fetching, KEY_A, json={"audio_url": files.url("/endless")}, wait=True, timeout=60)
+    r = post_as(fetching, KEY_A, json={"audio_url": files.url("/endless")}, wait=True, timeout=60)
     assert r.json()["status"] == "failed", r.text
     assert r.json()["error"]["type"] == "payload_too_large"
     assert r.json()["error"]["limit_bytes"] == MAX_UPLOAD
     # Cut off at the limit: the endless stream ended, a little after the limit.
     assert wait_for(lambda: "/endless" in files.cut), files.sent
     assert files.sent["/endless"] < MAX_UPLOAD + (2 << 20), files.sent
-    r = post(fetching, KEY_A, json={"audio_url": files.url("/long.flac")}, wait=True, timeout=60)
+    r = post_as(fetching, KEY_A, json={"audio_url": files.url("/long.flac")}, wait=True, timeout=60)
     assert r.json()["status"] == "failed", r.text
     err = r.json()["error"]
     assert err["limit_s"] == MAX_AUDIO_S and err["duration_s"] == pytest.approx(7200.0)

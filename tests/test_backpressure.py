@@ -22,8 +22,9 @@ from prometheus_client import CollectorRegistry, Counter
 from app.jobs.speed import DEFAULT_SPEED, Speed
 from loadtest.common import proc_status_kb
 from tests.conftest import Clip, Server
+from tests.helpers import wait_until
 from tests.test_bad_input import HealthWatch
-from tests.test_crash import speech_clips, submit, wait_until
+from tests.test_crash import speech_clips, submit
 
 BACKLOG_S = 60.0
 BURST_FACTOR = 10

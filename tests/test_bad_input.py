@@ -16,11 +16,12 @@ import httpx
 import jiwer
 import numpy as np
 import pytest
-from openai import APIStatusError, OpenAI
+from openai import APIStatusError
 
 from loadtest.common import proc_status_kb
 from loadtest.hostile_inputs import encode, encode_chunks, load, wav
 from tests.conftest import Clip, Server, corpus_clips
+from tests.helpers import openai_client
 
 pytestmark = pytest.mark.model
 
@@ -238,7 +239,7 @@ def test_declared_oversize_body_is_refused_unread(limited: Server) -> None:
 
 def test_v1_oversize_body_is_an_openai_error(limited: Server) -> None:
     """The body limit answers from middleware, before any route: /v1 still gets OpenAI's shape."""
-    oa = OpenAI(base_url=f"{limited.url}/v1", api_key="unused", max_retries=0)
+    oa = openai_client(limited.url)
     with pytest.raises(APIStatusError) as info:
         oa.audio.transcriptions.create(model="whisper-1",
                                        file=("big.wav", b"\0" * (MAX_UPLOAD * 2)))

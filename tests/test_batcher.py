@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -13,46 +13,22 @@ from app.engine.placement import EngineRunner
 from app.errors import ShuttingDown, TranscriptionFailed
 from app.metrics import Metrics
 from app.windows import DecodeOptions, Prompt, Window
-from tests.fakes import BOUND, FakeEngine, Started, gather, tag_of, tagged_window
+from tests.fakes import BOUND, FakeEngine, Rig, Rigs, gather, tag_of, tagged_window
 
 EN = DecodeOptions()
 
 
-class Rig:
-    def __init__(self, fake: FakeEngine, batcher: Batcher, metrics: Metrics) -> None:
-        self.fake, self.batcher, self.metrics = fake, batcher, metrics
-
-    async def block_first_batch(self) -> asyncio.Future:
-        """Close the gate and park one window inside the engine, so the next ones queue up."""
-        self.fake.gate.clear()
-        fut = self.batcher.submit("blocker", [tagged_window(999)], EN)[0]
-        await asyncio.to_thread(self.fake.entered.acquire, True, BOUND)
-        return fut
-
-    def release(self) -> None:
-        self.fake.gate.set()
-
-    def sizes(self) -> list[int]:
-        return [len(tags) for _, tags in self.fake.batches]
-
-
 @pytest.fixture
-async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
-    started = Started()
+def rig_factory(rigs: Rigs) -> Callable[..., Rig]:
+    """This file's batcher: on one fake engine that runs whole windows (no stages)."""
 
     def make(cap: int = 4, wait_ms: int = 20, workers: int = 1, regrow_after: int = 8,
              fail: Callable[[Sequence[Window]], None] | None = None,
              job_memory_mb: float = 0) -> Rig:
-        fake = FakeEngine(workers=workers, fail=fail)
-        metrics = Metrics()
-        settings = BatcherSettings(max_batch_size=cap, max_wait_ms=wait_ms, regrow_after=regrow_after,
-                                   job_memory_mb=job_memory_mb)
-        b = Batcher(EngineRunner(fake).run, settings, workers, metrics)
-        started.add(fake, b)
-        return Rig(fake, b, metrics)
+        return rigs.make(FakeEngine(workers=workers, fail=fail), max_batch_size=cap,
+                         max_wait_ms=wait_ms, regrow_after=regrow_after, job_memory_mb=job_memory_mb)
 
-    yield make
-    await started.stop()
+    return make
 
 
 async def test_lone_window_leaves_after_max_wait(rig_factory: Callable[..., Rig]) -> None:
@@ -64,7 +40,7 @@ async def test_lone_window_leaves_after_max_wait(rig_factory: Callable[..., Rig]
 
 async def test_cap_bounds_batches_and_fills_them(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(cap=4)
-    blocker = await rig.block_first_batch()
+    [blocker] = await rig.blocker()
     futs = rig.batcher.submit("j", [tagged_window(i) for i in range(10)], EN)
     rig.release()
     results = await gather([blocker, *futs])
@@ -74,7 +50,7 @@ async def test_cap_bounds_batches_and_fills_them(rig_factory: Callable[..., Rig]
 
 async def test_windows_with_different_options_never_share_a_batch(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(cap=8)
-    blocker = await rig.block_first_batch()
+    [blocker] = await rig.blocker()
     tr = DecodeOptions(task="translate")
     b5 = DecodeOptions(beam_size=5)
     hot = DecodeOptions(temperature=0.5)
@@ -93,7 +69,7 @@ async def test_windows_with_different_options_never_share_a_batch(rig_factory: C
 async def test_languages_and_prompts_share_a_batch(rig_factory: Callable[..., Rig]) -> None:
     """A window's language, initial prompt and hotwords are its own prompt: not batch keys."""
     rig = rig_factory(cap=8)
-    blocker = await rig.block_first_batch()
+    [blocker] = await rig.blocker()
     prompts = [Prompt(language="en"), Prompt(language="fr"), Prompt(language="de"),
                Prompt(language="en", initial_prompt="Glossary: batchscribe"),
                Prompt(language="en", hotwords="CTranslate2"), Prompt()]
@@ -108,7 +84,7 @@ async def test_languages_and_prompts_share_a_batch(rig_factory: Callable[..., Ri
 
 async def test_similar_durations_batch_together(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(cap=4)
-    blocker = await rig.block_first_batch()
+    [blocker] = await rig.blocker()
     futs = []
     for i in range(8):  # single-window jobs, alternating 3 s and 28 s
         seconds = 3.0 if i % 2 == 0 else 28.0
@@ -121,7 +97,7 @@ async def test_similar_durations_batch_together(rig_factory: Callable[..., Rig])
 
 async def test_short_request_is_not_starved_by_a_long_job(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(cap=4)
-    blocker = await rig.block_first_batch()
+    [blocker] = await rig.blocker()
     long_futs = rig.batcher.submit("long", [tagged_window(100 + i, 30) for i in range(40)], EN)
     short = rig.batcher.submit("short", [tagged_window(7, 5)], EN)[0]
     rig.release()
@@ -149,7 +125,7 @@ async def test_oom_splits_halves_cap_and_regrows(rig_factory: Callable[..., Rig]
         real_set(v)
 
     rig.metrics.batch_cap.set = record  # type: ignore[method-assign,assignment]
-    blocker = await rig.block_first_batch()
+    [blocker] = await rig.blocker()
     futs = rig.batcher.submit("j", [tagged_window(i) for i in range(8)], EN)
     rig.release()
     results = await gather([blocker, *futs])
@@ -169,7 +145,7 @@ async def test_a_failing_window_fails_only_its_own_job(rig_factory: Callable[...
             raise ValueError("bad window")
 
     rig = rig_factory(cap=8, fail=poison)
-    blocker = await rig.block_first_batch()
+    [blocker] = await rig.blocker()
     a = rig.batcher.submit("A", [tagged_window(t) for t in (11, 12, 13, 14)], EN)
     b = rig.batcher.submit("B", [tagged_window(t) for t in (21, 22)], EN)
     rig.release()
@@ -186,7 +162,7 @@ async def test_a_failing_window_fails_only_its_own_job(rig_factory: Callable[...
 
 async def test_cancelled_windows_cost_no_compute(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(cap=4)
-    blocker = await rig.block_first_batch()
+    [blocker] = await rig.blocker()
     gone = rig.batcher.submit("gone", [tagged_window(500 + i) for i in range(6)], EN)
     kept = rig.batcher.submit("kept", [tagged_window(1)], EN)
     for f in gone:
@@ -209,7 +185,7 @@ async def test_engine_errors_never_hang_callers(rig_factory: Callable[..., Rig])
 
 async def test_stop_fails_pending_work_with_shutting_down(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(cap=2)
-    blocker = await rig.block_first_batch()
+    [blocker] = await rig.blocker()
     waiting = rig.batcher.submit("j", [tagged_window(i) for i in range(4)], EN)
     stop = asyncio.create_task(rig.batcher.stop(grace_s=BOUND))
     await asyncio.sleep(0)
@@ -280,7 +256,7 @@ async def test_a_new_request_beside_a_running_upload_batches_alone(rig_factory: 
 
 async def test_short_requests_alone_keep_full_batches(rig_factory: Callable[..., Rig]) -> None:
     rig = rig_factory(cap=4, workers=2)
-    blocker = await rig.block_first_batch()
+    [blocker] = await rig.blocker()
     futs = [f for i in range(8) for f in rig.batcher.submit(f"j{i}", [tagged_window(i)], EN)]
     rig.release()
     await gather([blocker, *futs])

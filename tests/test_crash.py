@@ -12,7 +12,6 @@ from __future__ import annotations
 import sqlite3
 import threading
 import time
-from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,6 +20,7 @@ import jiwer
 import pytest
 
 from tests.conftest import Clip, Server
+from tests.helpers import wait_until
 
 pytestmark = pytest.mark.model
 
@@ -43,16 +43,6 @@ def submit(c: httpx.Client, clip: Clip, wait: bool = False) -> httpx.Response:
     with clip.path.open("rb") as f:
         return c.post("/transcribe", params={"wait": str(wait).lower()}, data={"language": "en"},
                       files={"file": (clip.path.name, f)})
-
-
-def wait_until(what: Callable[[], bool], timeout: float, step: float = 0.5) -> bool:
-    """Bounded poll: the bound only prevents a hang, it is never a performance claim."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if what():
-            return True
-        time.sleep(step)
-    return what()
 
 
 def db_jobs(data_dir: Path) -> dict[str, dict]:

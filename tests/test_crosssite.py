@@ -11,7 +11,6 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
@@ -25,11 +24,9 @@ from websockets.sync.client import connect
 from websockets.typing import Origin
 
 from app.api.middleware.origin import CrossSiteGuard
-from app.main import create_app
 from loadtest.common import free_port
 from tests.conftest import Clip
-from tests.fakes import FakeEngine
-from tests.test_metrics import fake_settings, serve
+from tests.helpers import fake_service, post
 
 EVIL = {"Origin": "https://evil.example", "Sec-Fetch-Site": "cross-site"}
 FRONT = "http://front.example:3000"
@@ -44,22 +41,14 @@ ROUTES: list[tuple[str, str, dict[str, str]]] = [
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    settings = fake_settings(tmp_path_factory.mktemp("crosssite"),
-                             security={"allowed_origins": [FRONT]})
-    with serve(create_app(settings, engine_factory=lambda s: FakeEngine())) as base:
+    with fake_service(tmp_path_factory.mktemp("crosssite"),
+                      security={"allowed_origins": [FRONT]}) as base:
         yield base
 
 
 @pytest.fixture(scope="module")
 def clip(clips: list[Clip]) -> Clip:
     return min((c for c in clips if c.duration_s > 3), key=lambda c: c.duration_s)
-
-
-def post(url: str, route: str, field: str, data: dict[str, str], path: Path,
-         headers: dict[str, str] | None = None) -> httpx.Response:
-    with path.open("rb") as f:
-        return httpx.post(url + route, files={field: (path.name, f)}, data=data,
-                          headers=headers, timeout=60)
 
 
 def error_type(r: httpx.Response) -> Any:
@@ -72,12 +61,14 @@ def test_cross_site_post_refused_same_request_without_origin_served(
         url: str, clip: Clip, route: str, field: str, data: dict[str, str]) -> None:
     for headers in (EVIL, {"Origin": "https://evil.example"}, {"Sec-Fetch-Site": "cross-site"},
                     {"Origin": "null"}, {"Origin": url.replace("127.0.0.1", "localhost")}):
-        r = post(url, route, field, data, clip.path, headers)
+        with httpx.Client(base_url=url, timeout=60) as c:
+            r = post(c, clip.path, route, field=field, data=data, headers=headers)
         assert r.status_code == 403, (headers, r.text)
         assert error_type(r) == "cross_site_refused" and r.headers["x-should-retry"] == "false"
     for headers in ({}, {"Origin": url, "Sec-Fetch-Site": "same-origin"}, {"Origin": url},
                     {"Origin": FRONT, "Sec-Fetch-Site": "cross-site"}):
-        r = post(url, route, field, data, clip.path, headers)
+        with httpx.Client(base_url=url, timeout=60) as c:
+            r = post(c, clip.path, route, field=field, data=data, headers=headers)
         assert r.status_code in (200, 202), (headers, r.text)
 
 

@@ -14,10 +14,10 @@ import httpx
 import pytest
 import srt
 import webvtt
-from openai import OpenAI
 
 from app.speakers import Turn
 from tests.conftest import Clip, Server
+from tests.helpers import openai_client, post
 from tests.test_speaker_output import stereo, two_clips
 from tests.test_speakers import (
     CORPUS,
@@ -33,10 +33,9 @@ pytestmark = pytest.mark.model
 BOUND = 600  # seconds: a hang guard (the first diarize job also loads the speaker models)
 
 
-def post(client: httpx.Client, path: Path, **data: Any) -> dict[str, Any]:
-    with path.open("rb") as f:
-        r = client.post("/transcribe", params={"wait": "true"},
-                        files={"file": (path.name, f)}, data=data)
+def transcribed(client: httpx.Client, path: Path, **data: Any) -> dict[str, Any]:
+    """The job of ``path`` uploaded with ``data``, waited for: done."""
+    r = post(client, path, data=data, wait=True)
     assert r.status_code == 200, r.text
     job: dict[str, Any] = r.json()
     assert job["status"] == "done", job
@@ -56,7 +55,7 @@ def sample() -> Path:
 
 @pytest.fixture(scope="module")
 def diarized(client: httpx.Client, sample: Path) -> dict[str, Any]:
-    return post(client, sample, diarize="true", word_timestamps="true", language="en")
+    return transcribed(client, sample, diarize="true", word_timestamps="true", language="en")
 
 
 def stm() -> list[tuple[float, float, str]]:
@@ -105,13 +104,13 @@ def test_sample_has_two_speakers_whose_turns_match_the_reference(diarized: dict[
 
 
 def test_speaker_bounds_are_honoured(client: httpx.Client, sample: Path, tmp_path: Path) -> None:
-    one = post(client, sample, diarize="true", max_speakers="1", language="en")
+    one = transcribed(client, sample, diarize="true", max_speakers="1", language="en")
     assert one["result"]["speakers"] == ["SPEAKER_00"] and one["options"]["max_speakers"] == 1
     assert {s["speaker"] for s in one["result"]["segments"]} == {"SPEAKER_00"}
     assert one["result"]["words"] is None  # decoded with word times, returned only if asked
     assert one["result"]["diarization"] == {"speakers": 1, "asked": {"max_speakers": 1},
                                             "met": True}
-    three = post(client, sample, diarize="true", num_speakers="3", language="en")["result"]
+    three = transcribed(client, sample, diarize="true", num_speakers="3", language="en")["result"]
     assert len({t["speaker"] for t in three["turns"]}) == 3 == len(three["speakers"])
     assert three["diarization"] == {"speakers": 3, "asked": {"num_speakers": 3}, "met": True}
     # ~2 s of speech cannot hold 4 speakers: the result says so instead of answering quietly.
@@ -119,7 +118,7 @@ def test_speaker_bounds_are_honoured(client: httpx.Client, sample: Path, tmp_pat
     from loadtest.common import write_wav16
 
     write_wav16(tmp_path / "short.wav", decode(sample, 3600)[3 * 16_000: int(5.5 * 16_000)])
-    short = post(client, tmp_path / "short.wav", diarize="true", num_speakers="4")["result"]
+    short = transcribed(client, tmp_path / "short.wav", diarize="true", num_speakers="4")["result"]
     assert short["diarization"]["met"] is False and short["diarization"]["speakers"] < 4
     assert "num_speakers=4" in short["diarization"]["note"]
 
@@ -140,7 +139,7 @@ def test_turns_as_rttm(client: httpx.Client, diarized: dict[str, Any]) -> None:
     ref = der.load_rttm(str(CORPUS / corpus_item(SAMPLE)["rttm"]))[SAMPLE]
     hyp = [(float(r[3]), float(r[3]) + float(r[4]), r[7]) for r in rows]
     assert der.der(ref, hyp, 0.25, False, 30.0)["der"] <= 0.05
-    plain = post(client, CORPUS / corpus_item(SAMPLE)["file"], language="en")
+    plain = transcribed(client, CORPUS / corpus_item(SAMPLE)["file"], language="en")
     wrong = client.get(f"/jobs/{plain['id']}/result", params={"format": "rttm"})
     assert wrong.status_code == 400 and "diarize=true" in wrong.json()["error"]["message"]
 
@@ -164,7 +163,7 @@ def test_diarized_json_through_the_openai_client(server: Server, sample: Path,
                                                  diarized: dict[str, Any]) -> None:
     from openai.types.audio import TranscriptionDiarized
 
-    oa = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=BOUND)
+    oa = openai_client(server.url, timeout=BOUND)
     try:
         with sample.open("rb") as f:
             r = oa.audio.transcriptions.create(model="gpt-4o-transcribe-diarize", file=f,
@@ -185,7 +184,7 @@ def test_diarized_json_through_the_openai_client(server: Server, sample: Path,
 
 def test_diarize_false_is_unchanged(client: httpx.Client, sample: Path) -> None:
     """No speaker field anywhere, the job has no diarization time, subtitles have no names."""
-    job = post(client, sample, language="en")
+    job = transcribed(client, sample, language="en")
     assert "diarization_s" not in job and job["options"]["diarize"] is False
     result = job["result"]
     assert set(result) == {"text", "language", "language_probability", "duration", "segments",
@@ -204,7 +203,7 @@ def test_channels_separate_puts_each_channels_text_under_its_label(
     clip's, and not the other's."""
     stereo(clips, tmp_path / "call.wav")
     left, right = two_clips(clips)
-    job = post(client, tmp_path / "call.wav", channels="separate", language="en")
+    job = transcribed(client, tmp_path / "call.wav", channels="separate", language="en")
     result = job["result"]
     assert result["speakers"] == ["channel_0", "channel_1"]
     text = {n: " ".join(s["text"] for s in result["segments"] if s["speaker"] == n)

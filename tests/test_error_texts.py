@@ -10,18 +10,16 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Iterator, Sequence
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from app.errors import public_error
-from app.main import create_app
 from app.net.outbound import OutboundError, public_category
 from tests.conftest import Clip
 from tests.fakes import FakeEngine
-from tests.test_metrics import fake_settings, serve, wait_done
+from tests.helpers import fake_service, post, wait_done
 
 SECRET = "hunter2-engine-secret"
 LEAKS = (SECRET, "/srv/models/private", "10.1.2.3", "5432")
@@ -33,8 +31,7 @@ def explode(windows: Sequence[Any]) -> None:
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    settings = fake_settings(tmp_path_factory.mktemp("errtexts"))
-    with serve(create_app(settings, engine_factory=lambda s: FakeEngine(fail=explode))) as base:
+    with fake_service(tmp_path_factory.mktemp("errtexts"), FakeEngine(fail=explode)) as base:
         yield base
 
 
@@ -48,26 +45,21 @@ def clean(text: str) -> None:
         assert leak not in text, (leak, text[:800])
 
 
-def post(client: httpx.Client, route: str, field: str, path: Path, **kw: Any) -> httpx.Response:
-    with path.open("rb") as f:
-        return client.post(route, files={field: (path.name, f)}, **kw)
-
-
 def test_a_failing_engine_shows_no_exception_text_on_any_route(url: str, clip: Clip) -> None:
     with httpx.Client(base_url=url, timeout=60) as c:
-        job = post(c, "/transcribe", "file", clip.path, data={"language": "en"}).json()
+        job = post(c, clip.path, "/transcribe", data={"language": "en"}).json()
         done = wait_done(c, job["id"])
         assert done["status"] == "failed" and done["error"]["type"] == "transcription_failed"
         answers = [c.get(f"/jobs/{job['id']}"), c.get("/jobs"),
                    c.get(f"/jobs/{job['id']}/events"),
-                   post(c, "/transcribe", "file", clip.path, data={"language": "en"},
+                   post(c, clip.path, "/transcribe", data={"language": "en"},
                         params={"wait": "true"}),
-                   post(c, "/v1/audio/transcriptions", "file", clip.path,
+                   post(c, clip.path, "/v1/audio/transcriptions",
                         data={"model": "whisper-1", "language": "en"}),
-                   post(c, "/v1/audio/transcriptions", "file", clip.path,
+                   post(c, clip.path, "/v1/audio/transcriptions",
                         data={"model": "whisper-1", "language": "en", "stream": "true"}),
-                   post(c, "/asr", "audio_file", clip.path, params={"language": "en"}),
-                   post(c, "/detect-language", "audio_file", clip.path)]
+                   post(c, clip.path, "/asr", field="audio_file", params={"language": "en"}),
+                   post(c, clip.path, "/detect-language", field="audio_file")]
     for r in answers:
         clean(r.text)
         assert "inference failed" in r.text or "transcription_failed" in r.text, (r.url, r.text)

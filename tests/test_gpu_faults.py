@@ -36,7 +36,7 @@ from models.registry import ModelUnavailable
 from tests.conftest import Clip
 from tests.fakegpu import DEVICE_ERROR_TEXTS, INVALID_DEVICE_TEXT, OOM_TEXTS, FakeGpu, MeterEngine
 from tests.fakes import gather, tagged_window
-from tests.test_metrics import serve, value, wait_done
+from tests.helpers import serve, value, wait_done
 
 GREEDY = DecodeOptions(beam_size=1)
 

@@ -36,7 +36,7 @@ from app.jobs.views import JobView
 from app.main import create_app
 from tests.conftest import Clip
 from tests.fakes import FakeEngine
-from tests.test_metrics import fake_settings, serve
+from tests.helpers import fake_settings, serve
 
 
 # ---- event streams share one reader -------------------------------------------------------------

@@ -27,7 +27,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from app.audio import decode
 from loadtest.hostile_inputs import SSRF_URLS, encode, header_only_wav, lying_flac, wav
 from tests.conftest import Clip, Server
-from tests.test_security import KEY_A, KEY_B, bearer, sha
+from tests.helpers import bearer, post, sha
+from tests.test_security import KEY_A, KEY_B
 
 pytestmark = pytest.mark.model
 
@@ -68,12 +69,12 @@ def short_clip(clips: list[Clip]) -> Clip:
                key=lambda c: c.duration_s)
 
 
-def post(srv: Server, key: str, *, data: dict[str, Any] | None = None,
-         files: Any = None, json: Any = None, wait: bool = False,
-         timeout: float = 300) -> httpx.Response:
+def post_as(srv: Server, key: str, *, wait: bool = False, timeout: float = 300,
+            **kw: Any) -> httpx.Response:
+    """POST /transcribe to ``srv`` with ``key``'s bearer token; ``kw`` as httpx's (data,
+    files, json)."""
     with srv.client(timeout=timeout) as c:
-        return c.post("/transcribe", params={"wait": str(wait).lower()}, data=data,
-                      files=files, json=json, headers=bearer(key))
+        return post(c, None, wait=wait, headers=bearer(key), **kw)
 
 
 def job_ids(srv: Server, key: str) -> set[str]:
@@ -86,7 +87,7 @@ def job_ids(srv: Server, key: str) -> set[str]:
 def test_every_reported_ssrf_callback_url_is_400_at_submit(hostile: Server, short_clip: Clip) -> None:
     before = job_ids(hostile, KEY_A)
     for url in SSRF_URLS:
-        r = post(hostile, KEY_A, data={"callback_url": url},
+        r = post_as(hostile, KEY_A, data={"callback_url": url},
                  files={"file": (short_clip.path.name, short_clip.path.read_bytes())})
         assert r.status_code == 400, (url, r.text)
         err = r.json()["error"]
@@ -174,11 +175,11 @@ def long_speech(clips: list[Clip], seconds: float) -> bytes:
 
 def test_event_streams_are_capped_per_key(hostile: Server, clips: list[Clip],
                                           short_clip: Clip) -> None:
-    mine = post(hostile, KEY_A, data={"language": "en"}, wait=True,
+    mine = post_as(hostile, KEY_A, data={"language": "en"}, wait=True,
                 files={"file": (short_clip.path.name, short_clip.path.read_bytes())})
     assert mine.status_code == 200, mine.text
     # Long enough (~270 s of speech, seconds of work) to still be running when cancelled.
-    r = post(hostile, KEY_B, data={"language": "en"},
+    r = post_as(hostile, KEY_B, data={"language": "en"},
              files={"file": ("long.wav", long_speech(clips, MAX_AUDIO_S - 20))})
     assert r.status_code == 202, r.text
     job_id = r.json()["id"]
@@ -267,7 +268,7 @@ def engine_batches(srv: Server) -> tuple[int, int]:
 def timed(srv: Server, key: str, clip: Clip) -> Phases:
     before = engine_batches(srv)
     start = time.time()
-    r = post(srv, key, data={"language": "en"}, wait=True,
+    r = post_as(srv, key, data={"language": "en"}, wait=True,
              files={"file": (clip.path.name, clip.path.read_bytes())})
     total = time.time() - start
     after = engine_batches(srv)

@@ -16,13 +16,11 @@ import pytest
 
 from loadtest.hostile_inputs import load, lying_mkv, playlists, wav, wav_declaring
 from tests.conftest import Clip, Server
+from tests.helpers import post
 
 pytestmark = pytest.mark.model
 
-
-def post(c: httpx.Client, name: str, body: bytes, **params: str) -> httpx.Response:
-    return c.post("/transcribe", params=params, files={"file": (name, body)},
-                  data={"language": "en"})
+EN = {"language": "en"}
 
 
 def assert_415(r: httpx.Response) -> None:
@@ -44,7 +42,7 @@ def test_playlists_are_refused_and_read_nothing(server: Server, clips: list[Clip
         other = jobs[0]["id"]
         before = {j["id"] for j in c.get("/jobs").json()["jobs"]}
         for name, body in playlists(other, victim.path).items():
-            assert_415(post(c, name, body, wait="true"))
+            assert_415(post(c, (name, body), data=EN, wait=True))
         assert {j["id"] for j in c.get("/jobs").json()["jobs"]} == before  # no job was made
 
 
@@ -52,7 +50,7 @@ def test_playlists_are_refused_and_read_nothing(server: Server, clips: list[Clip
 def test_absurd_rates_and_layouts_are_refused_at_upload(server: Server, rate: int,
                                                         channels: int) -> None:
     with server.client() as c:
-        r = post(c, "tiny.wav", wav_declaring(rate, channels))
+        r = post(c, ("tiny.wav", wav_declaring(rate, channels)), data=EN)
     assert r.status_code in (415, 422), r.text
     assert r.json()["error"]["type"] in ("unsupported_media", "invalid_audio")
 
@@ -61,7 +59,7 @@ def test_a_sane_stereo_48k_wav_still_works(server: Server, clips: list[Clip]) ->
     clip = next(c for c in clips if c.id == "jfk-inaugural-1961")
     body = wav(load(clip.path, 48000, 2), 48000)
     with server.client() as c:
-        r = post(c, "stereo.wav", body, wait="true")
+        r = post(c, ("stereo.wav", body), data=EN, wait=True)
     assert r.status_code == 200 and "country" in r.json()["result"]["text"].lower()
 
 
@@ -74,7 +72,7 @@ def test_a_duration_lie_is_counted_at_the_decoded_length(server: Server,
     speech = np.concatenate([load(c.path, 16000).reshape(-1) for c in clips[:40]])
     body = lying_mkv(np.tile(speech, 2)[: 180 * 16000], 5.0)
     with server.client() as c:
-        r = post(c, "liar.mka", body)
+        r = post(c, ("liar.mka", body), data=EN)
         assert r.status_code == 202, r.text
         job = r.json()
         assert job["audio_seconds"] > 175  # admitted at the file's length, not the header's

@@ -26,7 +26,7 @@ from app.jobs.store import JobStore
 from app.main import create_app
 from tests.conftest import CORPUS, Clip, Server, corpus_clips
 from tests.fakes import FakeEngine
-from tests.test_metrics import fake_settings, serve, wait_done
+from tests.helpers import fake_settings, openai_client, post, serve, wait_done
 from tests.wer import wer
 
 
@@ -42,10 +42,13 @@ def wav_bytes(seconds: float = 2.0, seed: int = 0) -> bytes:
     return buf.getvalue()
 
 
-def post(c: httpx.Client, key: str | None, body: bytes | None = None, **params: str) -> httpx.Response:
+def submit(c: httpx.Client, key: str | None, body: bytes | None = None,
+           wait: bool = False) -> httpx.Response:
+    """An upload (``body``, else two seconds of noise) with ``key`` as its Idempotency-Key
+    (None: without one)."""
     headers = {"Idempotency-Key": key} if key is not None else {}
-    return c.post("/transcribe", params=params, headers=headers, data={"language": "en"},
-                  files={"file": ("a.wav", body if body is not None else wav_bytes())})
+    return post(c, ("a.wav", body if body is not None else wav_bytes()), data={"language": "en"},
+                headers=headers, wait=wait)
 
 
 def db_rows(data: Path) -> list[dict[str, Any]]:
@@ -66,23 +69,23 @@ def app_url(tmp_path: Path) -> Iterator[tuple[str, FakeEngine, Path]]:
 def test_same_key_twice_gives_the_first_job_without_reading_the_upload(app_url: Any) -> None:
     url, _, data = app_url
     with httpx.Client(base_url=url, timeout=60) as c:
-        first = post(c, "row-1")
+        first = submit(c, "row-1")
         assert first.status_code == 202, first.text
         job = first.json()
         assert "Idempotent-Replayed" not in first.headers
         # The same key with a body that is not even audio: answered from the key (a 415 would
         # mean the upload was spooled and probed), the same job, flagged as a replay.
-        again = post(c, "row-1", body=b"not audio" * 100)
+        again = submit(c, "row-1", body=b"not audio" * 100)
         assert again.status_code == 202 and again.json()["id"] == job["id"], again.text
         assert again.headers["Idempotent-Replayed"] == "true"
         assert again.headers["Location"] == f"/jobs/{job['id']}"
         # ?wait=true on a replay answers as the route does: the finished job, 200.
-        done = post(c, '"row-1"', wait="true")  # a structured-field string: the same key
+        done = submit(c, '"row-1"', wait=True)  # a structured-field string: the same key
         assert done.status_code == 200 and done.json()["id"] == job["id"]
         assert done.json()["status"] == "done"
-        other = post(c, "row-2")
+        other = submit(c, "row-2")
         assert other.status_code == 202 and other.json()["id"] != job["id"]
-        plain = [post(c, None).json()["id"] for _ in range(2)]  # no key: a job per POST
+        plain = [submit(c, None).json()["id"] for _ in range(2)]  # no key: a job per POST
         assert len(set(plain)) == 2
         listed = c.get("/jobs", params={"limit": 1000}).json()["jobs"]
     assert sorted(j["id"] for j in listed) == sorted([job["id"], other.json()["id"], *plain])
@@ -108,7 +111,7 @@ def test_a_concurrent_duplicate_loses_at_the_unique_index(app_url: Any,
 
     monkeypatch.setattr(JobStore, "by_idempotency_key", racing)
     with httpx.Client(base_url=url, timeout=60) as c:
-        a, b = post(c, "same"), post(c, "same")
+        a, b = submit(c, "same"), submit(c, "same")
         assert a.status_code == b.status_code == 202, (a.text, b.text)
         assert a.json()["id"] == b.json()["id"]
         assert len(c.get("/jobs").json()["jobs"]) == 1
@@ -121,7 +124,7 @@ def test_many_concurrent_posts_with_one_key_make_one_job(app_url: Any) -> None:
     fake.gate.clear()  # nothing finishes meanwhile
     body = wav_bytes(3.0)
     with ThreadPoolExecutor(8) as ex, httpx.Client(base_url=url, timeout=60) as c:
-        answers = list(ex.map(lambda _: post(c, "burst", body=body), range(8)))
+        answers = list(ex.map(lambda _: submit(c, "burst", body=body), range(8)))
         fake.gate.set()
         assert {r.status_code for r in answers} == {202}, [r.text for r in answers]
         assert len({r.json()["id"] for r in answers}) == 1
@@ -136,7 +139,7 @@ def test_keys_are_per_caller(tmp_path: Path) -> None:
         alice = httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {keys[0]}"})
         bob = httpx.Client(base_url=url, timeout=60, headers={"Authorization": f"Bearer {keys[1]}"})
         with alice, bob:
-            a1, b1, a2 = post(alice, "k"), post(bob, "k"), post(alice, "k")
+            a1, b1, a2 = submit(alice, "k"), submit(bob, "k"), submit(alice, "k")
             assert a1.json()["id"] == a2.json()["id"] != b1.json()["id"]
             assert "Idempotent-Replayed" not in b1.headers
             # bob cannot see alice's job through the batch route either
@@ -149,13 +152,13 @@ def test_keys_are_per_caller(tmp_path: Path) -> None:
 def test_a_key_older_than_the_window_makes_a_new_job(app_url: Any) -> None:
     url, _, data = app_url
     with httpx.Client(base_url=url, timeout=60) as c:
-        old = post(c, "reused").json()["id"]
+        old = submit(c, "reused").json()["id"]
         wait_done(c, old)
         with sqlite3.connect(data / "jobs.db") as db:  # made 25 h ago
             db.execute("UPDATE jobs SET created_at = created_at - 90000 WHERE id = ?", (old,))
-        new = post(c, "reused")
+        new = submit(c, "reused")
         assert new.status_code == 202 and new.json()["id"] != old
-        assert post(c, "reused").json()["id"] == new.json()["id"]
+        assert submit(c, "reused").json()["id"] == new.json()["id"]
         assert c.get(f"/jobs/{old}").json()["status"] == "done"  # the old job is kept
     by_id = {r["id"]: r for r in db_rows(data)}
     assert by_id[old]["idempotency_key"] is None and by_id[new.json()["id"]]["idempotency_key"]
@@ -177,10 +180,10 @@ def test_a_replay_is_not_refused_by_a_full_backlog(tmp_path: Path, speech: Clip)
     with serve(create_app(settings, engine_factory=lambda s: fake)) as url, \
             httpx.Client(base_url=url, timeout=60) as c:
         try:
-            first = post(c, "k", body=body)
+            first = submit(c, "k", body=body)
             assert first.status_code == 202
-            assert post(c, None, body=body).status_code == 429  # full for new work
-            again = post(c, "k", body=body)
+            assert submit(c, None, body=body).status_code == 429  # full for new work
+            again = submit(c, "k", body=body)
             assert again.status_code == 202 and again.json()["id"] == first.json()["id"]
         finally:
             fake.gate.set()
@@ -220,7 +223,7 @@ def test_v1_replays_and_keeps_its_job_for_the_retry(app_url: Any) -> None:
 def test_jobs_by_ids_in_one_request(app_url: Any) -> None:
     url, _, _ = app_url
     with httpx.Client(base_url=url, timeout=60) as c:
-        ids = [post(c, None).json()["id"] for _ in range(3)]
+        ids = [submit(c, None).json()["id"] for _ in range(3)]
         r = c.get("/jobs", params={"ids": f"{ids[2]},nope,{ids[0]},{ids[2]}"})
         assert r.status_code == 200
         assert [j["id"] for j in r.json()["jobs"]] == [ids[2], ids[0]]  # asked order, no unknown
@@ -260,11 +263,10 @@ def test_same_post_twice_is_one_job_on_the_real_service(server: Server, clips: l
 
 @pytest.mark.model
 def test_openai_client_with_an_idempotency_key(server: Server, clips: list[Clip]) -> None:
-    from openai import OpenAI
 
     clip = next(c for c in clips if c.set == "ljspeech")
     key = f"oa-{time.time_ns()}"
-    oa = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    oa = openai_client(server.url)
     with server.client() as c, oa:
         before = jobs_total(c)
         texts, job_ids = [], []

@@ -4,30 +4,21 @@ the fake engine: what phase B plugs a session into."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import pytest
 
 from app.batching.batcher import Batcher
-from app.config import BatcherSettings, Settings
-from app.engine.placement import EngineRunner, make_pool
+from app.engine.placement import EngineRunner
 from app.engine.whisper import WhisperEngine
-from app.jobs.pipeline import make_batcher
 from app.live.decoding import LiveOptions, batcher_decoder, engine_decoder
-from app.metrics import Metrics
 from app.windows import SAMPLE_RATE, DecodeOptions
-from tests.fakes import BOUND, FakeStagedEngine, Started, tagged_window
+from tests.fakes import BOUND, FakeStagedEngine, Rigs, tagged_window
 
 
 @pytest.fixture
-async def staged() -> AsyncIterator[tuple[FakeStagedEngine, Batcher]]:
-    started = Started()
-    fake = FakeStagedEngine(workers=1)
-    batcher = make_batcher(Settings(batcher=BatcherSettings(max_batch_size=4)), make_pool([fake]),
-                           Metrics())
-    started.add(fake, batcher)
-    yield fake, batcher
-    await started.stop()
+async def staged(rigs: Rigs) -> tuple[FakeStagedEngine, Batcher]:
+    rig = rigs.make(FakeStagedEngine(workers=1), max_batch_size=4)
+    return rig.fake, rig.batcher
 
 
 async def test_engine_decoder_is_one_engine_call() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import base64
-import hashlib
 import json
 import time
 from collections.abc import Iterator
@@ -19,9 +18,7 @@ import numpy as np
 import pytest
 
 from app.live.audio import encode_pcm16
-from app.main import create_app
-from tests.fakes import FakeEngine
-from tests.test_metrics import fake_settings, samples, serve
+from tests.helpers import fake_service, fake_settings, samples, sha
 from tests.test_webhooks import SECRET, Receiver, signature_ok
 
 websockets = pytest.importorskip("websockets")
@@ -40,14 +37,12 @@ def hooks() -> Iterator[Receiver]:
 
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory, hooks: Receiver) -> Iterator[str]:
-    settings = fake_settings(
-        tmp_path_factory.mktemp("live-route"),
-        webhooks={"secret": SECRET}, outbound={"allow_private": True},
-        security={"api_key_sha256": [hashlib.sha256(k.encode()).hexdigest() for k in (KEY, OTHER)]},
-        live={"max_sessions_per_key": 2, "max_sessions": 3, "idle_timeout_s": 2.0,
-              "max_event_bytes": 64 * 1024})
-    fake = FakeEngine()
-    with serve(create_app(settings, engine_factory=lambda s: fake)) as u:
+    with fake_service(
+            tmp_path_factory.mktemp("live-route"),
+            webhooks={"secret": SECRET}, outbound={"allow_private": True},
+            security={"api_key_sha256": [sha(KEY), sha(OTHER)]},
+            live={"max_sessions_per_key": 2, "max_sessions": 3, "idle_timeout_s": 2.0,
+                  "max_event_bytes": 64 * 1024}) as u:
         yield u
 
 

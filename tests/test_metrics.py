@@ -11,10 +11,8 @@ import re
 import shutil
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,20 +20,19 @@ from typing import Any
 import httpx
 import numpy as np
 import pytest
-import uvicorn
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 from app.audio import media as audio
 from app.audio import prepare
 from app.audio.vad import SileroVad
-from app.config import BatcherSettings, Settings
+from app.config import BatcherSettings
 from app.engine import EngineInfo
 from app.main import JsonFormatter, create_app
 from app.windows import SAMPLE_RATE
 from loadtest.common import write_wav16
-from tests.conftest import ROOT, Clip, free_port, need
+from tests.conftest import ROOT, Clip, need
 from tests.fakes import FakeEngine
+from tests.helpers import fake_settings, samples, serve, value, wait_done
 from tests.test_device import FakeNvml, two_gpus
 
 DASHBOARD = ROOT / "deploy" / "grafana" / "batchscribe.json"
@@ -44,42 +41,6 @@ ALERTS = PROM_DIR / "alerts.yml"
 KEYWORDS = {"and", "or", "unless", "by", "without", "on", "ignoring", "group_left",
             "group_right", "bool", "offset", "inf", "nan"}
 SYNTHETIC = {"up"}  # made by Prometheus for every target, never exposed by the service
-
-
-# ---- helpers shared with test_prometheus.py -------------------------------------------------
-
-@contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """Serve ``app`` (lifespan included) with uvicorn on a free port in a thread."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
-                                           log_config=None, lifespan="on"))
-    thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
-    thread.start()
-    while not server.started:
-        if not thread.is_alive():
-            raise RuntimeError("the app did not start (see the log)")
-        time.sleep(0.05)
-    try:
-        yield f"http://127.0.0.1:{server.config.port}"
-    finally:
-        server.should_exit = True
-        thread.join(60)
-
-
-def samples(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:
-    """Exposition text -> {sample name: [(labels, value)]}."""
-    out: dict[str, list[tuple[dict[str, str], float]]] = {}
-    for fam in text_string_to_metric_families(text):
-        for s in fam.samples:
-            out.setdefault(s.name, []).append((s.labels, s.value))
-    return out
-
-
-def value(text: str, name: str, **labels: str) -> float:
-    """The one sample ``name`` whose labels include ``labels`` (0 when the series is absent)."""
-    got = [v for lab, v in samples(text).get(name, []) if labels.items() <= lab.items()]
-    assert len(got) <= 1, (name, labels, got)
-    return got[0] if got else 0.0
 
 
 def long_wav(clips: list[Clip], path: Path, min_s: float) -> Path:
@@ -149,23 +110,6 @@ class Run:
     speech_s: float
     during: dict[str, httpx.Response]
     after: str
-
-
-def wait_done(client: httpx.Client, job_id: str, timeout: float = 300) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout  # a hang guard, not a performance threshold
-    while time.monotonic() < deadline:
-        job = client.get(f"/jobs/{job_id}").json()
-        if job["status"] in ("done", "failed", "cancelled"):
-            return job  # type: ignore[no-any-return]
-        time.sleep(0.1)
-    raise AssertionError(f"job {job_id} did not finish")
-
-
-def fake_settings(tmp: Path, **kw: Any) -> Settings:
-    # No warm-up: these fakes count and gate the batches requests send (the warm-up is tested
-    # in tests/test_gpu_readiness.py).
-    return Settings(storage={"data_dir": tmp}, model={"vad": "silero", "warmup": False},  # type: ignore[arg-type]
-                    shutdown_grace_s=5, **kw)
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,6 @@ Speech), speaks nowhere in the upload and must not name anyone.
 from __future__ import annotations
 
 import base64
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -103,13 +102,6 @@ def clips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     need(lj.is_file(), f"{lj} not found")
     out["Narrator"] = lj
     return out
-
-
-@pytest.fixture(scope="module")
-def oa(server: Server) -> Iterator[OpenAI]:
-    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=BOUND)
-    yield client
-    client.close()
 
 
 def data_url(path: Path) -> str:

@@ -21,7 +21,7 @@ from app.main import create_app
 from loadtest.common import free_port
 from tests.conftest import need
 from tests.fakes import FakeEngine
-from tests.test_metrics import fake_settings
+from tests.helpers import fake_settings
 
 SETTINGS: dict[str, dict[str, object]] = {}
 

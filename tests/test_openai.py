@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
@@ -14,6 +13,7 @@ import webvtt
 from openai import OpenAI
 
 from tests.conftest import Clip, Server
+from tests.helpers import openai_client
 from tests.wer import wer
 
 pytestmark = pytest.mark.model
@@ -22,13 +22,6 @@ pytestmark = pytest.mark.model
 CLIP_IDS = ("librispeech-2412-153948-0000", "ljspeech-LJ001-0001",
             "librivox-sense-and-sensibility-0870", "librivox-shakespeare-sonnet-1")
 MAX_WER = 0.15  # whisper-base on read English speech is ~5-10 %
-
-
-@pytest.fixture(scope="module")
-def oa(server: Server) -> Iterator[OpenAI]:
-    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
-    yield client
-    client.close()
 
 
 @pytest.fixture(scope="module")
@@ -198,7 +191,7 @@ def test_unknown_v1_path_is_an_openai_error(server: Server) -> None:
 def test_client_hanging_up_cancels_its_job(server: Server, picked: list[Clip]) -> None:
     """A synchronous caller that gave up can never collect the result: the job is cancelled."""
     clip = picked[-1]  # the long one
-    impatient = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=0.5)
+    impatient = openai_client(server.url, timeout=0.5)
     with pytest.raises(openai.APITimeoutError), clip.path.open("rb") as f:
         impatient.audio.transcriptions.create(model="whisper-1", file=f)
     deadline = time.monotonic() + 120

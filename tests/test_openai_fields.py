@@ -7,7 +7,6 @@ values a 400 in OpenAI's shape)."""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from app.audio import decode
 from app.audio.server_vad import InvalidChunking, TunedVad, parse, vad_for
 from app.audio.vad import SileroVad
 from loadtest.common import write_wav16
-from tests.conftest import Clip, Server
+from tests.conftest import Clip
 from tests.test_vad import faster_whisper_spans
 
 SR = 16_000
@@ -71,13 +70,6 @@ def test_server_vad_spans_are_faster_whispers_with_those_settings(clips: list[Cl
 
 
 # ---- through the service -------------------------------------------------------------------
-@pytest.fixture(scope="module")
-def oa(server: Server) -> Iterator[OpenAI]:
-    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
-    yield client
-    client.close()
-
-
 @pytest.fixture(scope="module")
 def garbled(clips: list[Clip], tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The clip with 4 s of it played backwards: Whisper writes made-up words there."""

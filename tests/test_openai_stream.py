@@ -30,7 +30,7 @@ from app.jobs.work import Active
 from app.windows import SAMPLE_RATE, JobOptions, WindowResult
 from tests import test_jobs
 from tests.conftest import Clip, Server
-from tests.test_crash import wait_until
+from tests.helpers import wait_until
 from tests.test_jobs import Rig
 
 rig_factory = test_jobs.rig_factory  # the job-runner rig fixture, shared
@@ -217,13 +217,6 @@ async def test_draining_ends_the_stream_with_a_retryable_error() -> None:
 
 
 # ---- end to end, real model --------------------------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def oa(server: Server) -> Iterator[OpenAI]:
-    client = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
-    yield client
-    client.close()
 
 
 def stream(oa: OpenAI, path: Path, on_first: Callable[[str], Any] | None = None,

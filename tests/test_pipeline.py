@@ -31,7 +31,7 @@ from app.metrics import Metrics
 from app.windows import DecodeOptions, Encoded, JobOptions, Window, WindowResult
 from tests.conftest import Clip
 from tests.fakes import FakeEngine, FakeStagedEngine
-from tests.test_metrics import serve
+from tests.helpers import serve
 
 LOOPING = ("mfa-mfa_uhuh", "mfa-mfa_whatscalled", "mfa-mfa_breathy")  # fallbacks on this host
 Call = tuple[str, DecodeOptions, bool | None]  # stage, options, the decoder's redo flag

@@ -8,7 +8,7 @@ and every transcript is right.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
@@ -20,7 +20,7 @@ from app.errors import TranscriptionFailed
 from app.metrics import Metrics
 from app.windows import DecodeOptions, Window
 from models.registry import ModelUnavailable
-from tests.fakes import BOUND, FakeEngine, gather, tag_of, tagged_window
+from tests.fakes import BOUND, FakeEngine, Rig, Rigs, tag_of, tagged_window
 
 EN = DecodeOptions()
 
@@ -29,47 +29,17 @@ def broken(windows: Sequence[Window]) -> None:
     raise RuntimeError("CUDA error: an illegal memory access was encountered")
 
 
-class Rig:
-    def __init__(self, fakes: list[FakeEngine], pool: EnginePool, batcher: Batcher) -> None:
-        self.fakes, self.pool, self.batcher = fakes, pool, batcher
-        self.retired: list[int] = []
-
-    async def run(self, n: int, job: str = "j") -> list[object]:
-        futs = self.batcher.submit(job, [tagged_window(i) for i in range(n)], EN)
-        return await gather(futs)
-
-    def tags(self, k: int) -> list[int]:
-        return [t for _, tags in self.fakes[k].batches for t in tags]
-
-
 @pytest.fixture
-async def rig() -> AsyncIterator[Callable[..., Rig]]:
-    made: list[Rig] = []
+def rig(rigs: Rigs) -> Callable[..., Rig[FakeEngine]]:
+    """This file's batcher: on the given fake engines, one pool."""
 
-    def make(*fakes: FakeEngine, cap: int = 4, wait_ms: int = 5) -> Rig:
-        pool = EnginePool([EngineRunner(f) for f in fakes])
-        settings = BatcherSettings(max_batch_size=cap, max_wait_ms=wait_ms, job_memory_mb=0)
-        b = Batcher(pool.run, settings, pool.workers, Metrics())
-        r = Rig(list(fakes), pool, b)
+    def make(*fakes: FakeEngine, cap: int = 4, wait_ms: int = 5) -> Rig[FakeEngine]:
+        return rigs.make(*fakes, max_batch_size=cap, max_wait_ms=wait_ms, job_memory_mb=0)
 
-        def removed(n: int) -> None:
-            r.retired.append(n)
-            b.retire_slots(n)
-
-        pool.on_remove = removed
-        b.start()
-        made.append(r)
-        return r
-
-    yield make
-    for r in made:
-        for f in r.fakes:
-            f.gate.set()
-        await r.batcher.stop(5)
-        r.pool.close()
+    return make
 
 
-async def test_batches_spread_across_engines(rig: Callable[..., Rig]) -> None:
+async def test_batches_spread_across_engines(rig: Callable[..., Rig[FakeEngine]]) -> None:
     r = rig(FakeEngine(), FakeEngine(), cap=4)
     results = await r.run(32)
     assert [x.text for x in results] == [f"w{i}" for i in range(32)]  # type: ignore[attr-defined]
@@ -113,7 +83,7 @@ async def test_workers_and_utilisation_count_in_the_load() -> None:
     pool.close()
 
 
-async def test_failing_engine_is_removed_and_nothing_is_lost(rig: Callable[..., Rig]) -> None:
+async def test_failing_engine_is_removed_and_nothing_is_lost(rig: Callable[..., Rig[FakeEngine]]) -> None:
     bad, good = FakeEngine(fail=broken), FakeEngine()
     r = rig(bad, good, cap=4)
     results = await r.run(40)
@@ -128,7 +98,7 @@ async def test_failing_engine_is_removed_and_nothing_is_lost(rig: Callable[..., 
     assert len(bad.batches) == n_bad  # out of rotation: it gets nothing more
 
 
-async def test_engine_breaking_mid_run_hands_its_work_over(rig: Callable[..., Rig]) -> None:
+async def test_engine_breaking_mid_run_hands_its_work_over(rig: Callable[..., Rig[FakeEngine]]) -> None:
     state = {"broken": False}
 
     def sometimes(windows: Sequence[Window]) -> None:
@@ -146,7 +116,7 @@ async def test_engine_breaking_mid_run_hands_its_work_over(rig: Callable[..., Ri
     assert r.pool.live() == [r.pool.slots[1]]
 
 
-async def test_poison_batch_fails_alone_and_keeps_every_engine(rig: Callable[..., Rig]) -> None:
+async def test_poison_batch_fails_alone_and_keeps_every_engine(rig: Callable[..., Rig[FakeEngine]]) -> None:
     def poison(windows: Sequence[Window]) -> None:
         if any(tag_of(w) == 13 for w in windows):
             raise ValueError("cannot decode window 13")
@@ -160,7 +130,7 @@ async def test_poison_batch_fails_alone_and_keeps_every_engine(rig: Callable[...
     assert len(r.pool.live()) == 2 and r.retired == []
 
 
-async def test_out_of_memory_is_the_batchers_business(rig: Callable[..., Rig]) -> None:
+async def test_out_of_memory_is_the_batchers_business(rig: Callable[..., Rig[FakeEngine]]) -> None:
     def small_memory(windows: Sequence[Window]) -> None:
         if len(windows) > 2:
             raise RuntimeError("CUDA failed with error out of memory")
@@ -178,7 +148,7 @@ async def test_out_of_memory_is_the_batchers_business(rig: Callable[..., Rig]) -
     assert len(r.pool.live()) == 2  # and no engine was blamed for it
 
 
-async def test_last_engine_is_never_removed(rig: Callable[..., Rig]) -> None:
+async def test_last_engine_is_never_removed(rig: Callable[..., Rig[FakeEngine]]) -> None:
     r = rig(FakeEngine(fail=broken), cap=4)
     results = await r.run(3)
     assert all(isinstance(x, TranscriptionFailed) for x in results)
@@ -293,7 +263,7 @@ async def _release_later(fake: FakeEngine) -> None:
     fake.gate.set()
 
 
-async def test_a_sticky_error_takes_an_engine_out_at_once(rig: Callable[..., Rig]) -> None:
+async def test_a_sticky_error_takes_an_engine_out_at_once(rig: Callable[..., Rig[FakeEngine]]) -> None:
     def sticky(windows: Sequence[Window]) -> None:
         raise RuntimeError("CUDA failed with error an illegal memory access was encountered")
 

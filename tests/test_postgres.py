@@ -28,7 +28,8 @@ import pytest
 import sqlalchemy as sa
 
 from tests.conftest import Clip, Server, free_port, need
-from tests.test_crash import finished_done, speech_clips, submit, wait_until
+from tests.helpers import wait_until
+from tests.test_crash import finished_done, speech_clips, submit
 from tests.wer import wer
 
 PG_BINS = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))

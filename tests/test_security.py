@@ -8,7 +8,6 @@ otherwise. Job ids are random (144 bits) and upload names are never used as path
 
 from __future__ import annotations
 
-import hashlib
 import os
 import re
 import subprocess
@@ -18,7 +17,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from openai import AuthenticationError, OpenAI
+from openai import AuthenticationError
 from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -36,21 +35,13 @@ from app.api.middleware.keys import (
 )
 from app.config import SecuritySettings, Settings
 from tests.conftest import ROOT, Clip, Server, free_port
+from tests.helpers import bearer, openai_client, sha, wait_until
 from tests.test_asr import bazarr, pcm
-from tests.test_crash import wait_until
 from tests.wer import wer
 
 KEY_A = "key-a-7f1c0e1d9b2a4c3e"
 KEY_B = "key-b-0a9d8c7b6e5f4a3b"
 JOB_ID = re.compile(r"^[A-Za-z0-9_-]{24}$")
-
-
-def sha(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
 
 
 # ---- settings and the key ring (no server) -----------------------------------------------------
@@ -151,7 +142,7 @@ def test_missing_or_invalid_key_is_401(keyed: Server) -> None:
 def test_v1_refusal_is_an_openai_error(keyed: Server) -> None:
     """The key check answers before any route runs; under /v1 it still speaks OpenAI's error
     shape, so the SDK users already have raises its AuthenticationError with our message."""
-    oa = OpenAI(base_url=f"{keyed.url}/v1", api_key="wrong-key", max_retries=0)
+    oa = openai_client(keyed.url, api_key="wrong-key")
     with pytest.raises(AuthenticationError) as info:
         oa.models.list()
     assert info.value.status_code == 401

@@ -4,60 +4,38 @@ length gathered across calls. A fake staged engine records every call; no model,
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 
 import pytest
 
 from app.audio import prepare
 from app.audio.vad import SileroVad
-from app.batching.batcher import Batcher
-from app.config import BatcherSettings, Settings
-from app.engine.placement import make_pool
 from app.engine.whisper import WhisperEngine
 from app.errors import ShuttingDown
-from app.jobs.pipeline import make_batcher
-from app.metrics import Metrics
 from app.windows import DecodeOptions, Encoded, Prompt, Window
 from tests.conftest import Clip
-from tests.fakes import BOUND, FakeStagedEngine, Started, gather, tag_of, tagged_window
+from tests.fakes import BOUND, FakeStagedEngine, Rig, Rigs, gather, tag_of, tagged_window
 
 EN = DecodeOptions()
-
-
-class Rig:
-    def __init__(self, fake: FakeStagedEngine, batcher: Batcher, metrics: Metrics) -> None:
-        self.fake, self.batcher, self.metrics = fake, batcher, metrics
-
-    async def hold(self, n: int = 1) -> None:
-        """Close the gate and wait until ``n`` engine calls are parked inside it."""
-        for _ in range(n):
-            await asyncio.to_thread(self.fake.entered.acquire, True, BOUND)
-
-    def calls(self, stage: str) -> list[list[int]]:
-        return [tags for s, tags in self.fake.calls if s == stage]
+MakeRig = Callable[..., Rig[FakeStagedEngine]]
 
 
 @pytest.fixture
-async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
-    started = Started()
+def rig_factory(rigs: Rigs) -> MakeRig:
+    """This file's batcher: on one fake engine whose encoder and decoder are separate calls."""
 
     def make(cap: int = 2, decode_cap: int = 16, workers: int = 1, decode_wait_ms: int = 60_000,
              fail: Callable[[str, Sequence[Window]], None] | None = None,
-             wait_ms: int = 10) -> Rig:
-        fake = FakeStagedEngine(workers=workers, fail=fail)
-        settings = BatcherSettings(max_batch_size=cap, max_decode_batch_size=decode_cap, job_memory_mb=0,
-                                   max_wait_ms=wait_ms, max_decode_wait_ms=decode_wait_ms)
-        metrics = Metrics()
-        b = make_batcher(Settings(batcher=settings), make_pool([fake]), metrics)  # the service's
-        started.add(fake, b)
-        return Rig(fake, b, metrics)
+             wait_ms: int = 10) -> Rig[FakeStagedEngine]:
+        return rigs.make(FakeStagedEngine(workers=workers, fail=fail), max_batch_size=cap,
+                         max_decode_batch_size=decode_cap, job_memory_mb=0, max_wait_ms=wait_ms,
+                         max_decode_wait_ms=decode_wait_ms)
 
-    yield make
-    await started.stop()
+    return make
 
 
 async def test_decoder_batches_gather_windows_encoded_by_several_calls(
-        rig_factory: Callable[..., Rig]) -> None:
+        rig_factory: MakeRig) -> None:
     """Twelve short requests, two lengths, encoded two at a time: each length decodes as one
     batch of six (a single-call batcher would have decoded pairs)."""
     rig = rig_factory(cap=2)
@@ -78,7 +56,7 @@ async def test_decoder_batches_gather_windows_encoded_by_several_calls(
     assert rig.batcher.pending() == 0
 
 
-async def test_decoder_batches_respect_their_own_cap(rig_factory: Callable[..., Rig]) -> None:
+async def test_decoder_batches_respect_their_own_cap(rig_factory: MakeRig) -> None:
     rig = rig_factory(cap=4, decode_cap=3)
     rig.fake.gate.clear()
     blocker = rig.batcher.submit("blocker", [tagged_window(999, 22)], EN)
@@ -90,14 +68,14 @@ async def test_decoder_batches_respect_their_own_cap(rig_factory: Callable[..., 
     assert sizes == [1, 2, 3, 3]  # the blocker; eight windows in batches of at most three
 
 
-async def test_a_lone_request_is_decoded_right_after_its_encode(rig_factory: Callable[..., Rig]) -> None:
+async def test_a_lone_request_is_decoded_right_after_its_encode(rig_factory: MakeRig) -> None:
     rig = rig_factory(cap=2)
     [res] = await gather(rig.batcher.submit("j", [tagged_window(5, 4)], EN))
     assert res.text == "w5"
     assert rig.fake.calls == [("encode", [5]), ("decode", [5])]
 
 
-async def test_windows_to_encode_do_not_wait_for_a_fuller_batch(rig_factory: Callable[..., Rig]) -> None:
+async def test_windows_to_encode_do_not_wait_for_a_fuller_batch(rig_factory: MakeRig) -> None:
     """max_wait_ms buys a fuller batch for one-call batches only: an encoder batch costs the
     same per window at any size. With a one-minute max_wait a lone request still runs at once
     (``gather`` gives up after BOUND, half that)."""
@@ -107,7 +85,7 @@ async def test_windows_to_encode_do_not_wait_for_a_fuller_batch(rig_factory: Cal
     assert rig.fake.calls == [("encode", [5]), ("decode", [5])]
 
 
-async def test_a_long_upload_runs_both_stages_in_one_call(rig_factory: Callable[..., Rig]) -> None:
+async def test_a_long_upload_runs_both_stages_in_one_call(rig_factory: MakeRig) -> None:
     """An upload with more windows than a batch holds fills batches by itself: it skips the
     pool, so a short request beside it is not held behind its decodes. It takes one worker of
     two (``reserved_slots``, app/batching/urgency.py) while short requests come in: the other is
@@ -128,7 +106,7 @@ async def test_a_long_upload_runs_both_stages_in_one_call(rig_factory: Callable[
     assert stages == [("encode", [7]), ("decode", [7])]  # alone with its length: no wait
 
 
-async def test_an_upload_of_a_few_windows_goes_through_the_pool(rig_factory: Callable[..., Rig]) -> None:
+async def test_an_upload_of_a_few_windows_goes_through_the_pool(rig_factory: MakeRig) -> None:
     """An upload of more windows than a short request but no more than a batch (three, cap 8)
     does not fill decoder batches by itself: even encoded in a call of its own, its windows
     wait in the pool (where other requests' windows of their length join them), not decoded
@@ -150,7 +128,7 @@ async def test_an_upload_of_a_few_windows_goes_through_the_pool(rig_factory: Cal
 
 @pytest.mark.parametrize("decode_wait_ms", [0, 60_000])
 async def test_an_encoded_window_waits_for_company_at_most_its_deadline(
-        rig_factory: Callable[..., Rig], decode_wait_ms: int) -> None:
+        rig_factory: MakeRig, decode_wait_ms: int) -> None:
     """While other short requests are queued, an encoded window waits to be decoded with
     windows of its length, until max_decode_wait_ms (or until nothing else is left to do)."""
     rig = rig_factory(cap=1, decode_wait_ms=decode_wait_ms)
@@ -169,7 +147,7 @@ async def test_an_encoded_window_waits_for_company_at_most_its_deadline(
         assert decoded_1 > encoded_4  # kept for company until the workers had nothing else
 
 
-async def test_cancelled_while_encoded_is_never_decoded(rig_factory: Callable[..., Rig]) -> None:
+async def test_cancelled_while_encoded_is_never_decoded(rig_factory: MakeRig) -> None:
     rig = rig_factory(cap=4)
     loop = asyncio.get_running_loop()
     gone: list[asyncio.Future] = []
@@ -192,7 +170,7 @@ async def test_cancelled_while_encoded_is_never_decoded(rig_factory: Callable[..
     assert rig.batcher.pending() == 0
 
 
-async def test_stop_decodes_encoded_windows_and_fails_queued_ones(rig_factory: Callable[..., Rig]) -> None:
+async def test_stop_decodes_encoded_windows_and_fails_queued_ones(rig_factory: MakeRig) -> None:
     """At shutdown the windows already encoded are decoded within the grace (the encoder was
     most of their cost); windows still queued fail with ShuttingDown (their jobs stay queued)."""
     rig = rig_factory(cap=4)
@@ -211,7 +189,7 @@ async def test_stop_decodes_encoded_windows_and_fails_queued_ones(rig_factory: C
     assert rig.batcher.pending() == 0
 
 
-async def test_decoder_oom_splits_the_decoder_batch(rig_factory: Callable[..., Rig]) -> None:
+async def test_decoder_oom_splits_the_decoder_batch(rig_factory: MakeRig) -> None:
     def oom(stage: str, windows: Sequence[Window]) -> None:
         if stage == "decode" and len(windows) > 2:
             raise RuntimeError("CUDA failed with error out of memory")

@@ -7,7 +7,6 @@ body names A's key id, and A's secret verifies it. B's own deliveries verify wit
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,31 +15,19 @@ import httpx
 import pytest
 
 from app.jobs.webhooks import key_secret, verify
-from app.main import create_app
 from tests.conftest import Clip
-from tests.fakes import FakeEngine
-from tests.test_metrics import fake_settings, serve
+from tests.helpers import bearer, fake_service, sha
 from tests.test_webhooks import Hit, Receiver
 
 KEY_A, KEY_B = "tenant-a-key", "tenant-b-key"
 SERVER_SECRET = "the-server-webhook-secret"
 
 
-def sha(key: str) -> str:
-    return hashlib.sha256(key.encode()).hexdigest()
-
-
-def bearer(key: str) -> dict[str, str]:
-    return {"Authorization": f"Bearer {key}"}
-
-
 @pytest.fixture(scope="module")
 def url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    settings = fake_settings(
-        tmp_path_factory.mktemp("tenanthooks"), webhooks={"secret": SERVER_SECRET},
-        security={"api_key_sha256": [sha(KEY_A), sha(KEY_B)]},
-        outbound={"allowed_hosts": ["127.0.0.1"]})
-    with serve(create_app(settings, engine_factory=lambda s: FakeEngine())) as base:
+    with fake_service(tmp_path_factory.mktemp("tenanthooks"), webhooks={"secret": SERVER_SECRET},
+                      security={"api_key_sha256": [sha(KEY_A), sha(KEY_B)]},
+                      outbound={"allowed_hosts": ["127.0.0.1"]}) as base:
         yield base
 
 

@@ -8,22 +8,18 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from functools import partial
 
 import pytest
 
-from app.batching.batcher import Batcher
 from app.batching.stages import Item
 from app.batching.urgency import Seen, bulk_ok, held_until, stale
-from app.config import BatcherSettings, Settings
-from app.engine.placement import make_pool
-from app.jobs.pipeline import make_batcher
-from app.metrics import Metrics
-from app.windows import DecodeOptions, Shed, Urgency, Window, WindowResult
-from tests.fakes import BOUND, FakeStagedEngine, Started, gather, tag_of, tagged_window
+from app.windows import DecodeOptions, Shed, Urgency, Window
+from tests.fakes import BOUND, FakeStagedEngine, Rig, Rigs, gather, tag_of, tagged_window
 
 EN = DecodeOptions()
+MakeRig = Callable[..., Rig[FakeStagedEngine]]
 LONG = 1000  # tags from here on: a long upload's windows
 
 
@@ -42,43 +38,19 @@ class HeldLong(FakeStagedEngine):
         super()._enter(stage, windows)
 
 
-class Rig:
-    def __init__(self, fake: FakeStagedEngine, batcher: Batcher, metrics: Metrics) -> None:
-        self.fake, self.batcher, self.metrics = fake, batcher, metrics
-
-    async def blocker(self, seconds: float = 3) -> list[asyncio.Future[WindowResult]]:
-        """A window whose engine call holds the only worker until the test opens the gate."""
-        self.fake.gate.clear()
-        futs = self.batcher.submit("blocker", [tagged_window(999, seconds)], EN)
-        await asyncio.to_thread(self.fake.entered.acquire, True, BOUND)
-        return futs
-
-    def calls(self, stage: str | None = None) -> list[list[int]]:
-        return [tags for s, tags in self.fake.calls if stage in (None, s)]
-
-    def shed(self) -> float:
-        return self.metrics.interim_shed._value.get()
-
-
 @pytest.fixture
-async def rig_factory() -> AsyncIterator[Callable[..., Rig]]:
-    started = Started()
+def rig_factory(rigs: Rigs) -> MakeRig:
+    """This file's batcher: on one staged fake engine (``fake``, else a new one)."""
 
     def make(cap: int = 2, workers: int = 1, fake: FakeStagedEngine | None = None,
-             **settings: int) -> Rig:
-        fake = fake or FakeStagedEngine(workers=workers)
-        metrics = Metrics()
-        batcher = BatcherSettings(max_batch_size=cap, job_memory_mb=0, max_wait_ms=10,
-                                  max_decode_wait_ms=60_000, **settings)
-        b = make_batcher(Settings(batcher=batcher), make_pool([fake]), metrics)  # the service's
-        started.add(fake, b)
-        return Rig(fake, b, metrics)
+             **settings: int) -> Rig[FakeStagedEngine]:
+        return rigs.make(fake or FakeStagedEngine(workers=workers), max_batch_size=cap,
+                         job_memory_mb=0, max_wait_ms=10, max_decode_wait_ms=60_000, **settings)
 
-    yield make
-    await started.stop()
+    return make
 
 
-async def test_finals_go_before_request_windows_queued_earlier(rig_factory: Callable[..., Rig]) -> None:
+async def test_finals_go_before_request_windows_queued_earlier(rig_factory: MakeRig) -> None:
     rig = rig_factory(cap=2)
     blocker = await rig.blocker(22)  # another padded length: it decodes apart
     early = [f for i in range(4) for f in rig.batcher.submit(f"j{i}", [tagged_window(i, 3)], EN)]
@@ -94,9 +66,9 @@ async def test_finals_go_before_request_windows_queued_earlier(rig_factory: Call
     assert 100 in decodes[0]
 
 
-async def test_interims_are_shed_when_superseded_never_finals(rig_factory: Callable[..., Rig]) -> None:
+async def test_interims_are_shed_when_superseded_never_finals(rig_factory: MakeRig) -> None:
     rig = rig_factory()
-    blocker = await rig.blocker()
+    blocker = await rig.blocker(3)
     old = rig.batcher.submit("live", [tagged_window(1, 2)], EN, urgency=Urgency.LIVE_INTERIM)
     final = rig.batcher.submit("live", [tagged_window(2, 4)], EN, urgency=Urgency.LIVE_FINAL)
     new = rig.batcher.submit("live", [tagged_window(3, 2)], EN, urgency=Urgency.LIVE_INTERIM)
@@ -111,9 +83,9 @@ async def test_interims_are_shed_when_superseded_never_finals(rig_factory: Calla
     assert all(1 not in tags for tags in rig.calls())  # the shed window never reached the engine
 
 
-async def test_interims_are_shed_when_behind_never_finals(rig_factory: Callable[..., Rig]) -> None:
+async def test_interims_are_shed_when_behind_never_finals(rig_factory: MakeRig) -> None:
     rig = rig_factory(interim_max_wait_ms=20)
-    blocker = await rig.blocker()
+    blocker = await rig.blocker(3)
     interim = rig.batcher.submit("a", [tagged_window(1, 2)], EN, urgency=Urgency.LIVE_INTERIM)
     final = rig.batcher.submit("b", [tagged_window(2, 2)], EN, urgency=Urgency.LIVE_FINAL)
     await asyncio.sleep(0.05)  # both wait longer than the interim bound behind the blocker
@@ -125,13 +97,13 @@ async def test_interims_are_shed_when_behind_never_finals(rig_factory: Callable[
 
 
 async def test_interims_go_to_turns_without_text_first_then_the_longest_waiting(
-        rig_factory: Callable[..., Rig]) -> None:
+        rig_factory: MakeRig) -> None:
     """Interim decodes wait in :data:`~app.windows.Refresh` order, not their arrival: behind,
     the batcher first serves turns that have had fewer interims answered (a turn showing nothing
     yet), then the turn whose text was refreshed longest ago (at 16 streams, arrival order and a
     session-wide back-off left 14 of 39 long turns without interim text)."""
     rig = rig_factory(cap=1, interim_max_wait_ms=60_000)
-    blocker = await rig.blocker()
+    blocker = await rig.blocker(3)
     sub = partial(rig.batcher.submit, options=EN, urgency=Urgency.LIVE_INTERIM)
     fresh = sub("a", [tagged_window(1, 2)], refresh=(2, 30.0))
     stale = sub("b", [tagged_window(2, 2)], refresh=(2, 10.0))
@@ -145,12 +117,12 @@ async def test_interims_go_to_turns_without_text_first_then_the_longest_waiting(
     assert rig.shed() == 0
 
 
-async def test_a_demoted_final_waits_behind_the_true_finals(rig_factory: Callable[..., Rig]) -> None:
+async def test_a_demoted_final_waits_behind_the_true_finals(rig_factory: MakeRig) -> None:
     """A final decode started at a pause that speech resumed after is demoted: it waits as an
     interim, behind finals that came after it (it held their place at final priority: at 16
     streams p95 1.76-1.88 s with it, 1.46-1.59 s demoted)."""
     rig = rig_factory(cap=1, interim_max_wait_ms=60_000)
-    blocker = await rig.blocker()
+    blocker = await rig.blocker(3)
     early = rig.batcher.submit("early", [tagged_window(1, 2)], EN, urgency=Urgency.LIVE_FINAL)
     final = rig.batcher.submit("final", [tagged_window(2, 2)], EN, urgency=Urgency.LIVE_FINAL)
     rig.batcher.demote("early")
@@ -170,7 +142,7 @@ async def test_an_interim_already_encoded_is_not_shed_as_stale() -> None:
     assert stale([waiting, encoded], now=5.0, max_wait_s=1.0) == [waiting]
 
 
-async def test_a_redo_does_not_delay_the_other_windows_of_its_batch(rig_factory: Callable[..., Rig]) -> None:
+async def test_a_redo_does_not_delay_the_other_windows_of_its_batch(rig_factory: MakeRig) -> None:
     """A looping window's 30 s fallback runs as a call of its own, after its decoder batch has
     answered every other window; an interim that loops keeps its first pass."""
     rig = rig_factory(cap=8, workers=2, fake=FakeStagedEngine(workers=2))
@@ -192,7 +164,7 @@ async def test_a_redo_does_not_delay_the_other_windows_of_its_batch(rig_factory:
     assert rig.batcher.pending() == 0
 
 
-async def test_a_finals_fallback_goes_before_newer_finals(rig_factory: Callable[..., Rig]) -> None:
+async def test_a_finals_fallback_goes_before_newer_finals(rig_factory: MakeRig) -> None:
     """Live finals run in arrival order wherever they wait: a final's 30 s fallback is not left
     behind finals that came after it (at 16 streams it waited 10-25 s behind them)."""
     rig = rig_factory(cap=2)
@@ -209,7 +181,7 @@ async def test_a_finals_fallback_goes_before_newer_finals(rig_factory: Callable[
 
 
 @pytest.mark.parametrize("reserved", [1, 0])
-async def test_a_short_request_gets_a_worker_beside_a_long_upload(rig_factory: Callable[..., Rig],
+async def test_a_short_request_gets_a_worker_beside_a_long_upload(rig_factory: MakeRig,
                                                                reserved: int) -> None:
     """Two workers, short requests coming in, a long upload whose calls do not end: with a
     worker reserved, the upload holds one and a short request runs on the other; without, it
@@ -236,7 +208,7 @@ async def test_a_short_request_gets_a_worker_beside_a_long_upload(rig_factory: C
     assert (after[0] == [1]) == bool(reserved)
 
 
-async def test_a_long_upload_alone_takes_every_worker(rig_factory: Callable[..., Rig]) -> None:
+async def test_a_long_upload_alone_takes_every_worker(rig_factory: MakeRig) -> None:
     """No short or live work in the last 30 s: the reserve is not kept, the upload runs on both
     workers (on one of two it ran at 0.33 windows/s against 0.57)."""
     fake = HeldLong(workers=2)
@@ -282,7 +254,7 @@ class SlowLong(HeldLong):
 
 
 async def test_bulk_held_for_its_share_resumes_once_live_sessions_stop(
-        rig_factory: Callable[..., Rig], monkeypatch: pytest.MonkeyPatch) -> None:
+        rig_factory: MakeRig, monkeypatch: pytest.MonkeyPatch) -> None:
     """A bulk call of 20 ms beside a live session, at a share that would hold the next for 40 s
     (beyond the test's bound): live windows stop, and the batcher wakes by itself once the
     sessions count as quiet (no other event comes), so the upload's windows finish."""

@@ -9,7 +9,6 @@ from typing import Any
 
 import numpy as np
 import pytest
-from openai import OpenAI
 
 from app.audio import media as audio
 from app.audio import prepare
@@ -23,6 +22,7 @@ from app.metrics import Metrics
 from app.windows import N_SAMPLES, DecodeOptions, Prompt
 from tests.conftest import READ_SPEECH, Clip, Server
 from tests.fakes import FakeEngine, tagged_window
+from tests.helpers import openai_client
 from tests.wer import normalise
 
 TOLERANCE_S = 0.5
@@ -91,7 +91,7 @@ def owner_segment(word: Any, segments: list[Any]) -> int:
 @pytest.fixture(scope="module")
 def corpus_words(server: Server, clips: list[Clip]) -> list[tuple[Clip, Any]]:
     read = [c for c in clips if c.set in (*READ_SPEECH, "librivox_long")]
-    oa = OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=600)
+    oa = openai_client(server.url)
 
     def run(c: Clip) -> Any:
         with c.path.open("rb") as f:
