@@ -15,7 +15,7 @@ mix, and tcmalloc is preloaded in each as scripts/env.sh does):
    configuration of phase 2 measured again (subprocess, the server idle), and ``--clients``
    closed-loop HTTP clients replaying the corpus for ``--duration`` seconds after ``--warmup``;
    then short clips sent while a >= 10 min file is always in flight; then the speaker phase
-   (loadtest/speakers_bench.py): the same multi-speaker workload with and without
+   (loadtest/lib/speakers_bench.py): the same multi-speaker workload with and without
    ``diarize=true``, and the ratio.
 
 Service throughput and the engine limit are each the median of the rounds. The sweep of phase 2
@@ -43,18 +43,12 @@ from functools import partial
 from pathlib import Path
 from typing import Any
 
-from loadtest import peer, speakers_bench
-from loadtest.common import (
-    SHORT_CLIP_S,
-    Clip,
-    load_corpus,
-    machine_info,
-    resolve_model,
-    save_clips,
-    select_clips,
-)
-from loadtest.phases import effective_settings, limit_round, run_baselines, run_engine
-from loadtest.report import (
+from loadtest import peer
+from loadtest.lib import speakers_bench
+from loadtest.lib.common import machine_info, resolve_model
+from loadtest.lib.corpus import SHORT_CLIP_S, Clip, load_corpus, save_clips, select_clips
+from loadtest.lib.phases import effective_settings, limit_round, run_baselines, run_engine
+from loadtest.lib.report import (
     analyse,
     combine_rounds,
     error_kinds,
@@ -63,15 +57,8 @@ from loadtest.report import (
     replace_readme,
     short_latency,
 )
-from loadtest.service import (
-    Client,
-    Server,
-    all_at_once,
-    closed_loop,
-    sequential,
-    write_long_wav,
-)
-from loadtest.traffic import beside_long, long_alone, rss_during, write_long_flac
+from loadtest.lib.service import Client, Server, all_at_once, closed_loop, sequential, write_long_wav
+from loadtest.lib.traffic import beside_long, long_alone, rss_during, write_long_flac
 
 
 async def _load_round(client: Client, args: argparse.Namespace, clips: list[Clip], pid: int,

@@ -46,21 +46,12 @@ from typing import Any
 
 import httpx
 
-from loadtest.common import (
-    ROOT,
-    Clip,
-    audio_total,
-    layout_name,
-    load_corpus,
-    machine_info,
-    replay_order,
-    resolve_model,
-    save_clips,
-)
-from loadtest.phases import effective_settings, offline_engine, parse_engine_configs
-from loadtest.probes import counter_delta, parse_metrics
-from loadtest.report import log
-from loadtest.service import Server
+from loadtest.lib.common import ROOT, layout_name, machine_info, resolve_model
+from loadtest.lib.corpus import Clip, audio_total, load_corpus, replay_order, save_clips
+from loadtest.lib.phases import effective_settings, offline_engine, parse_engine_configs
+from loadtest.lib.probes import counter_delta, parse_metrics
+from loadtest.lib.report import log
+from loadtest.lib.service import Server
 
 
 def write_manifest(clips: list[Clip], minutes: float, path: Path) -> tuple[int, float]:
@@ -69,7 +60,7 @@ def write_manifest(clips: list[Clip], minutes: float, path: Path) -> tuple[int, 
     with path.open("w") as f:
         while total < minutes * 60:
             c = order[rows % len(order)]
-            f.write(json.dumps({"audio_filepath": c.path, "duration": c.duration_s,
+            f.write(json.dumps({"audio_filepath": str(c.path), "duration": c.duration_s,
                                 "text": c.reference, "id": f"{c.id}#{rows // len(order)}",
                                 "set": c.set}) + "\n")
             rows, total = rows + 1, total + c.duration_s

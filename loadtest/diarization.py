@@ -12,7 +12,7 @@ the whole file. CPU time is the process's (all threads) per recording, one torch
 the service. A second pass runs all recordings at once: its batches mix recordings, and its
 turns must equal the first pass's (batch composition does not change a result).
 
-Then, unless ``--no-service``, what users get (``loadtest/diarization_users.py``): the real
+Then, unless ``--no-service``, what users get (``loadtest/lib/diarization_users.py``): the real
 service, ``diarize=true`` on every recording and on its ``--excerpt-s`` excerpts, its turns
 (``format=rttm``) and its segments' speakers scored alike (``as_users_get`` in the report;
 RTTMs under ``<rttm-dir>/service/``).
@@ -32,7 +32,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-from loadtest.common import ROOT, machine_info
+from loadtest.lib.common import ROOT, machine_info
 
 DEFAULT_CORPUS = Path(os.environ.get("BATCHSCRIBE_DIARIZATION_CORPUS",
                                      ROOT.parent / "shared" / "corpus-diarization"))
@@ -181,7 +181,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                         else args.rttm_dir),
     }
     if not args.no_service:
-        from loadtest import diarization_users
+        from loadtest.lib import diarization_users
 
         report["as_users_get"] = diarization_users.run(der, items, args.excerpt_s,
                                                        args.rttm_dir / "service")
@@ -196,7 +196,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     for b in ("baseline_one_speaker_on_reference_speech", "baseline_one_speaker_whole_file"):
         print(f"{b}: {100 * report[b]['primary']['total']['der']:.2f}%")
     if "as_users_get" in report:
-        from loadtest.diarization_users import summary
+        from loadtest.lib.diarization_users import summary
 
         print(summary(report["as_users_get"]))
     print(f"CPU {report['cost']['cpu_s_per_audio_s']} s per audio s; concurrent pass "

@@ -32,8 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import ROOT, machine_info
 from loadtest.diarization import DEFAULT_CORPUS, git_state, load_der, manifest, write_rttm
+from loadtest.lib.common import ROOT, machine_info
 
 DATASET = ROOT / "tests" / "data" / "diarization"
 SETTINGS = {"primary": 0.25, "strict": 0.0}

@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.common import ROOT
 from loadtest.diarization import DEFAULT_CORPUS, load_der
+from loadtest.lib.common import ROOT
 
 CORPUS = ROOT.parent / "shared" / "corpus"
 SR = 16_000

@@ -47,10 +47,10 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.common import machine_info
 from loadtest.diarization import DEFAULT_CORPUS, git_state, load_der, manifest
 from loadtest.diarization_dev import DATASET, diarize_all, score
-from loadtest.diarization_pyannote import PYANNOTE_THRESHOLD, pyannote_pipeline
+from loadtest.lib.common import machine_info
+from loadtest.lib.diarization_pyannote import PYANNOTE_THRESHOLD, pyannote_pipeline
 
 Turns = list[tuple[float, float, str]]
 PEERS = ("ours", "senko", "pyannote")

@@ -33,17 +33,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import (
-    DEFAULT_CORPUS,
-    ClipWindow,
-    cut_corpus,
-    join_texts,
-    load_corpus,
-    machine_info,
-    resolve_model,
-    select_clips,
-)
-from loadtest.scoring import normaliser_name, wer_by_group
+from app.client.scoring import normaliser_name
+from loadtest.lib.common import ClipWindow, cut_corpus, join_texts, machine_info, resolve_model
+from loadtest.lib.corpus import DEFAULT_CORPUS, load_corpus, select_clips
+from loadtest.lib.stats import wer_by_group
 
 SETTINGS = ("full", "dynamic", "dynamic_no_redo")
 

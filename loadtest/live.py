@@ -26,7 +26,7 @@ with ``semantic_vad`` at eagerness auto (``turn_detection`` in each result).
 ``--beside long`` keeps a 20-minute upload of continuous read speech (~28 s windows,
 loadtest/stall.py) in flight, posted again when it ends. ``--turns long``: only the read speech of
 5-15 s (issue 48: LibriSpeech, LJ Speech, LibriVox; 19 clips), in each stream's seeded order.
-Streams, pacing and scores: loadtest/live_common.py.
+Streams, pacing and scores: loadtest/lib/live_common.py.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.live_common import (
+from loadtest.lib.live_common import (
     Done,
     Outcome,
     Stream,
@@ -179,8 +179,8 @@ async def run_sessions(url: str, streams: list[Stream], headers: dict[str, str] 
 
 async def batch_texts(base_url: str, streams: list[Stream]) -> dict[str, str]:
     """The same clips through ``/transcribe`` (language en), each clip's text."""
-    from loadtest.common import load_corpus
-    from loadtest.service import Client
+    from loadtest.lib.corpus import load_corpus
+    from loadtest.lib.service import Client
 
     by_id = {c.id: c for c in load_corpus()}
     used = [by_id[u.clip_id] for s in streams for u in s.utterances]
@@ -197,7 +197,7 @@ def turns_uploaded(streams: list[Stream], outcomes: list[Outcome], per_turn: lis
     """The live turns' own uploads (:func:`batch_turn_texts`) scored as the live text is:
     overall and by how the VAD cut each utterance (their ``live_wer_percent`` is the turns'
     uploads here; ``batch_wer_percent`` is still the clips')."""
-    from loadtest.scoring import wer_percent
+    from app.client.scoring import wer_percent
 
     read = [read_as(s, o, t) for s, o, t in zip(streams, outcomes, per_turn, strict=True)]
     refs = [" ".join(u.reference for u in s.utterances) for s in streams]
@@ -207,7 +207,7 @@ def turns_uploaded(streams: list[Stream], outcomes: list[Outcome], per_turn: lis
 
 def batch_wer(streams: list[Stream], texts: dict[str, str]) -> float | None:
     """The clips' upload texts scored as the live streams are."""
-    from loadtest.scoring import wer_percent
+    from app.client.scoring import wer_percent
 
     refs = [" ".join(u.reference for u in s.utterances) for s in streams]
     return wer_percent(refs, [" ".join(texts[u.clip_id] for u in s.utterances) for s in streams])
@@ -218,9 +218,9 @@ async def batch_stream_wer(base_url: str, streams: list[Stream], work: Path) -> 
     through ``/transcribe`` (language en): the same speech in the same order, batch against
     live. Per-clip uploads (:func:`batch_wer`) give each clip a fresh VAD state and a file of
     its own, which a live stream does not have."""
-    from loadtest.common import write_wav16
-    from loadtest.scoring import wer_percent
-    from loadtest.service import Client
+    from app.client.scoring import wer_percent
+    from loadtest.lib.common import write_wav16
+    from loadtest.lib.service import Client
 
     client = Client(base_url, [], "en")
     texts = []
@@ -242,8 +242,8 @@ async def batch_turn_texts(base_url: str, streams: list[Stream], outcomes: list[
     order. Live against these is what reading the turns live costs; these against the clips'
     uploads, what the client's turns cost (a pause of ``silence_duration_ms`` ends a turn, and
     each piece is read without the rest, whoever reads it)."""
-    from loadtest.common import write_wav16
-    from loadtest.service import Client
+    from loadtest.lib.common import write_wav16
+    from loadtest.lib.service import Client
 
     client = Client(base_url, [], "en")
     gate = asyncio.Semaphore(4)
@@ -266,8 +266,8 @@ async def keep_long(base_url: str, stop: asyncio.Event, minutes: float, work: Pa
                     kind: str = "meeting") -> int:
     """A long upload (``kind``: see ``--upload``) always in flight until ``stop``; how many
     were posted."""
-    from loadtest.common import load_corpus
-    from loadtest.service import TERMINAL, Client, write_long_wav
+    from loadtest.lib.corpus import load_corpus
+    from loadtest.lib.service import TERMINAL, Client, write_long_wav
     from loadtest.stall import write_meeting_wav
 
     path = work / "long.wav"
@@ -308,7 +308,7 @@ async def one_run(args: argparse.Namespace, base: str, ws_url: str, headers: dic
 
 
 async def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
-    from loadtest.service import Server
+    from loadtest.lib.service import Server
 
     server = None
     base = args.url
@@ -384,7 +384,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="live-") as tmp:
         results = asyncio.run(run(args, Path(tmp)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    from loadtest.common import machine_info
+    from loadtest.lib.common import machine_info
 
     machine = machine_info()
     args.out.write_text(json.dumps({

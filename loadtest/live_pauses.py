@@ -28,7 +28,8 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.common import load_corpus, machine_info
+from loadtest.lib.common import machine_info
+from loadtest.lib.corpus import load_corpus
 
 
 def pauses(audio: np.ndarray, turns: Any) -> list[tuple[int, int, str]]:
@@ -70,7 +71,7 @@ def main() -> None:
     for c in load_corpus():
         if c.duration_s > 60 or c.set == "commonvoice_single_word":
             continue
-        audio = np.concatenate([np.zeros(SAMPLE_RATE, np.float32), decode(Path(c.path), 120.0),
+        audio = np.concatenate([np.zeros(SAMPLE_RATE, np.float32), decode(c.path, 120.0),
                                 np.zeros(SAMPLE_RATE * 5 // 2, np.float32)])
         for start, at, kind in pauses(audio, SileroTurns(vad.probability_stream(), rules)):
             [r] = engine.transcribe_batch([LiveOptions(args.language).window(audio[start:at], 3.0)],

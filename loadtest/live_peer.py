@@ -14,7 +14,7 @@ its end (ends within ``--tolerance`` of it, or starts after it: the stream has m
 **never finalised** if no message did by the time the client closes, ``--drain`` seconds of
 silence after the last audio (a microphone keeps sending). Any segment covering an utterance
 before its last chunk was sent counts as interim text. The finalised text is every completed
-segment once, in order. See loadtest/live_common.py for the streams, pacing and scores.
+segment once, in order. See loadtest/lib/live_common.py for the streams, pacing and scores.
 """
 
 from __future__ import annotations
@@ -33,8 +33,8 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.common import free_port, proc_status_kb, resolve_model
-from loadtest.live_common import (
+from loadtest.lib.common import free_port, proc_status_kb, resolve_model
+from loadtest.lib.live_common import (
     CHUNK,
     Done,
     Outcome,
@@ -47,7 +47,7 @@ from loadtest.live_common import (
     paced,
     score,
 )
-from loadtest.probes import cpu_seconds
+from loadtest.lib.probes import cpu_seconds
 
 VENV = Path(os.environ.get("WHISPERLIVE_VENV", "/work/peers/whisperlive-venv"))
 LAUNCH = """
@@ -207,7 +207,7 @@ def main() -> None:
                 print(json.dumps({k: v for k, v in r.items() if k not in ("texts", "log_tail")}),
                       flush=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    from loadtest.common import machine_info
+    from loadtest.lib.common import machine_info
 
     machine = machine_info()
     args.out.write_text(json.dumps({"commit": machine["git"], "clean_tree": machine["git_clean"],

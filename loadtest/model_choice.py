@@ -23,17 +23,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import (
-    DEFAULT_CORPUS,
-    child_env,
-    load_corpus,
-    machine_info,
-    resolve_model,
-    run_json_subprocess,
-    save_clips,
-    select_clips,
-)
-from loadtest.scoring import normaliser_name, wer_by_group
+from app.client.scoring import normaliser_name
+from loadtest.lib.common import child_env, machine_info, resolve_model, run_json_subprocess
+from loadtest.lib.corpus import DEFAULT_CORPUS, load_corpus, save_clips, select_clips
+from loadtest.lib.stats import wer_by_group
 
 
 def one_model(name: str, clips_path: Path, args: argparse.Namespace) -> dict[str, Any]:

@@ -11,7 +11,7 @@ translation are also translated (``task=translate``), again with no language. Sy
   cpu_threads=--threads).transcribe(path, task=...)`` at its defaults (beam 5, temperature
   fallback, timestamps, previous-text conditioning, no VAD), one clip at a time. Its fallback
   samples, so each task runs on a fresh model created after ``ctranslate2.set_random_seed``.
-- ``http``: a real ``python -m app`` (``loadtest.service.Server``: free port, temporary data dir,
+- ``http``: a real ``python -m app`` (``loadtest.lib.service.Server``: free port, temporary data dir,
   ``--server-env K=V``), ``POST /transcribe?wait=true`` with the form field ``task`` only,
   ``--concurrency`` clips in flight so the micro-batcher pools them (the service's default beam:
   1 for English, ``DEFAULT_BEAM_SIZE_OTHER`` (5) for the rest).
@@ -26,10 +26,11 @@ translation are also translated (``task=translate``), again with no language. Sy
   far one decode of the same weights moves a language's error rate on this corpus.
 
 ``--variants N`` runs ``--variant-systems`` again on N-1 inaudibly changed copies of every clip
-and scores each language over all N versions (:mod:`loadtest.mlvariants`): the comparison with
+and scores each language over all N versions (:mod:`loadtest.lib.mlvariants`): the comparison with
 the decoder's own noise averaged out.
 
-Scoring is ``loadtest.mlscore`` (the corpus README's rules). The output holds, per system,
+Scoring is the project's one scorer (app/client/scoring.py: the corpus README's rules), tabled
+by ``loadtest.lib.mlresults``. The output holds, per system,
 every clip's texts, per-language error rates and their mean, language-ID accuracy, chrF/BLEU,
 wall seconds; the differences of each service system from ``fw_default``; the commit, whether
 the tree was clean and the command. ``<out>.md`` has the table.
@@ -50,20 +51,19 @@ from typing import Any
 
 import numpy as np
 
-from loadtest import mlvariants
-from loadtest.common import allocator, machine_info, resolve_model
-from loadtest.mlscore import (
-    ML_CORPUS,
-    MClip,
+from loadtest.lib import mlvariants
+from loadtest.lib.common import allocator, machine_info, resolve_model
+from loadtest.lib.corpus import ML_CORPUS, Clip, load_ml_corpus
+from loadtest.lib.mlresults import (
     against,
-    load_ml_corpus,
+    language,
     metric,
     paired_bootstrap,
     score,
     spread,
     summary,
 )
-from loadtest.mlvariants import dither, shift
+from loadtest.lib.mlvariants import dither, shift
 
 SYSTEMS = ("fw_default", "http", "http_beam1", "http_beam5", "fw_shift5ms", "fw_dither")
 HTTP_FORMS: dict[str, dict[str, str]] = {"http": {}, "http_beam1": {"beam_size": "1"},
@@ -72,7 +72,7 @@ SEED = 1234
 TASKS = ("transcribe", "translate")
 
 
-def clips_for(clips: Sequence[MClip], task: str) -> list[MClip]:
+def clips_for(clips: Sequence[Clip], task: str) -> list[Clip]:
     return [c for c in clips if task == "transcribe" or c.translation]
 
 
@@ -81,7 +81,7 @@ def _empty() -> dict[str, Any]:
             "seconds": {}}
 
 
-def _store(out: dict[str, Any], c: MClip, task: str, text: str, info: dict[str, Any]) -> None:
+def _store(out: dict[str, Any], c: Clip, task: str, text: str, info: dict[str, Any]) -> None:
     out["transcripts" if task == "transcribe" else "translations"][c.id] = text
     if task == "transcribe" and info.get("language"):
         out["languages"][c.id] = info["language"]
@@ -93,7 +93,7 @@ CONTROLS: dict[str, Callable[[np.ndarray], np.ndarray]] = {"fw_shift5ms": shift,
                                                           "fw_dither": dither}
 
 
-def run_fw(clips: Sequence[MClip], model_dir: str, threads: int, seed: int,
+def run_fw(clips: Sequence[Clip], model_dir: str, threads: int, seed: int,
            tasks: Sequence[str] = TASKS,
            perturb: Callable[[np.ndarray], np.ndarray] | None = None) -> dict[str, Any]:
     """One clip at a time at faster-whisper's defaults; ``perturb``: its own decoded audio
@@ -108,7 +108,7 @@ def run_fw(clips: Sequence[MClip], model_dir: str, threads: int, seed: int,
         t0 = time.perf_counter()
         for c in clips_for(clips, task):
             c0 = time.perf_counter()
-            audio = c.path if perturb is None else perturb(decode_audio(c.path))
+            audio = str(c.path) if perturb is None else perturb(decode_audio(str(c.path)))
             segments, info = model.transcribe(audio, task=task)
             segs = list(segments)  # the generator does the work
             text = " ".join(s.text.strip() for s in segs).strip()
@@ -123,14 +123,14 @@ def run_fw(clips: Sequence[MClip], model_dir: str, threads: int, seed: int,
     return out
 
 
-def fw_seeds(clips: Sequence[MClip], model_dir: str, threads: int, main: dict[str, Any],
+def fw_seeds(clips: Sequence[Clip], model_dir: str, threads: int, main: dict[str, Any],
              seeds: Sequence[int]) -> dict[str, Any]:
     """faster-whisper's translation under other seeds. Where a decode is unsure (avg logprob
     < -1) it samples (temperatures 0.2 .. 1.0, best of 5) and keeps the likeliest decode, so
     its chrF is one draw: at seed 1234, 6 of the 12 translations ran the whole ladder to 1.0,
     while no transcript fell back (its transcripts do not depend on the seed). The spread says
     how far one draw can sit from another."""
-    from loadtest.mlscore import translation_scores
+    from loadtest.lib.mlresults import translation_scores
 
     per: dict[str, Any] = {str(main["seed"]): translation_scores(clips, main["translations"])}
     for seed in seeds:
@@ -144,11 +144,11 @@ def fw_seeds(clips: Sequence[MClip], model_dir: str, threads: int, main: dict[st
 
 
 # ---- the service over HTTP ----------------------------------------------------------------------
-def _post(client: Any, c: MClip, task: str, form: dict[str, str]) -> tuple[dict[str, Any], float]:
+def _post(client: Any, c: Clip, task: str, form: dict[str, str]) -> tuple[dict[str, Any], float]:
     t0 = time.perf_counter()
     with open(c.path, "rb") as f:
         r = client.post("/transcribe", params={"wait": "true"},
-                        files={"file": (Path(c.path).name, f)}, data={"task": task, **form})
+                        files={"file": (c.path.name, f)}, data={"task": task, **form})
     r.raise_for_status()
     job = r.json()
     while job["status"] not in ("done", "failed", "cancelled"):  # ?wait timed out: poll
@@ -159,7 +159,7 @@ def _post(client: Any, c: MClip, task: str, form: dict[str, str]) -> tuple[dict[
     return job["result"], time.perf_counter() - t0
 
 
-def run_http(clips: Sequence[MClip], url: str, form: dict[str, str],
+def run_http(clips: Sequence[Clip], url: str, form: dict[str, str],
              concurrency: int) -> dict[str, Any]:
     """Each task's clips, ``concurrency`` requests in flight (longest first, so the tail is
     short clips)."""
@@ -184,10 +184,10 @@ def run_http(clips: Sequence[MClip], url: str, form: dict[str, str],
     return out
 
 
-def run_service(clips: Sequence[MClip], names: Sequence[str], env: dict[str, str],
+def run_service(clips: Sequence[Clip], names: Sequence[str], env: dict[str, str],
                 concurrency: int) -> dict[str, dict[str, Any]]:
     """One server for every ``http*`` system, warmed up with one untimed request."""
-    from loadtest.service import Server
+    from loadtest.lib.service import Server
 
     results: dict[str, dict[str, Any]] = {}
     with tempfile.TemporaryDirectory(prefix="ml-http-") as tmp:
@@ -212,9 +212,9 @@ def run_service(clips: Sequence[MClip], names: Sequence[str], env: dict[str, str
     return results
 
 
-def variants(clips: Sequence[MClip], args: argparse.Namespace, env: dict[str, str],
+def variants(clips: Sequence[Clip], args: argparse.Namespace, env: dict[str, str],
              runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
-    """``--variant-systems`` on the clips' copies (:mod:`loadtest.mlvariants`), scored with
+    """``--variant-systems`` on the clips' copies (:mod:`loadtest.lib.mlvariants`), scored with
     their outputs on the clips themselves (``runs``)."""
     names = [n for n in args.variant_systems.split(",") if n]
     if bad := [n for n in names if n not in runs or n not in ("fw_default", *HTTP_FORMS)]:
@@ -241,10 +241,10 @@ def _fmt(x: Any, sign: bool = False) -> str:
     return "–" if x is None else (f"{x:+.1f}" if sign else f"{x:.1f}")
 
 
-def markdown(result: dict[str, Any], clips: Sequence[MClip]) -> str:
+def markdown(result: dict[str, Any], clips: Sequence[Clip]) -> str:
     names = list(result["systems"])
     summ = result["summary"]
-    count = {lang: sum(c.language == lang for c in clips) for lang in {c.language for c in clips}}
+    count = {lang: sum(language(c) == lang for c in clips) for lang in {language(c) for c in clips}}
     head = ["lang (metric, clips)", *names]
     lines = [f"Multilingual corpus: {len(clips)} clips, {result['translation_clips']} translated; "
              f"model {result['model']}; commit {result['machine']['git']} "
@@ -283,7 +283,7 @@ def markdown(result: dict[str, Any], clips: Sequence[MClip]) -> str:
 
 
 # ---- main ---------------------------------------------------------------------------------------
-def pick_clips(clips: list[MClip], spec: str | None) -> list[MClip]:
+def pick_clips(clips: list[Clip], spec: str | None) -> list[Clip]:
     """``--clips``: a number (a subset spread over the languages) or comma-separated ids."""
     if not spec:
         return clips
@@ -312,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="N (a subset spread over the languages) or comma-separated ids")
     p.add_argument("--variants", type=int, default=1, metavar="N",
                    help="also run --variant-systems on N-1 inaudibly changed copies of every "
-                        "clip and score each language over all N versions (loadtest.mlvariants)")
+                        "clip and score each language over all N versions (loadtest.lib.mlvariants)")
     p.add_argument("--variant-systems", default="fw_default,http",
                    help="the systems run on the copies (fw_default and http* ones)")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/multilingual.json"))

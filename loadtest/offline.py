@@ -26,22 +26,9 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import (
-    READ_SPEECH,
-    SHORT_CLIP_S,
-    Clip,
-    ClipWindow,
-    RssSampler,
-    allocator,
-    audio_total,
-    cpu_count,
-    cut_corpus,
-    join_texts,
-    now,
-    read_clips,
-    replay_order,
-)
-from loadtest.scoring import latency_summary
+from loadtest.lib.common import ClipWindow, RssSampler, allocator, cpu_count, cut_corpus, join_texts, now
+from loadtest.lib.corpus import READ_SPEECH, SHORT_CLIP_S, Clip, audio_total, read_clips, replay_order
+from loadtest.lib.stats import latency_summary
 
 # The service's decode settings, expressed as faster-whisper transcribe() arguments: greedy,
 # no timestamp tokens, no temperature fallback, windows independent, the same Silero VAD options.
@@ -71,7 +58,7 @@ class Replay:
 
 
 def transcribe_fw(model: Any, clip: Clip, language: str | None, kw: dict[str, Any]) -> str:
-    segments, _ = model.transcribe(clip.path, language=language, **kw)
+    segments, _ = model.transcribe(str(clip.path), language=language, **kw)
     return " ".join(s.text.strip() for s in segments).strip()  # the generator does the work
 
 

@@ -25,12 +25,12 @@ Decoding options are the peer's defaults (beam 5, no VAD at batch 1, language de
 its users get; int8 and the thread layout are deployment settings, set at their fastest
 (``--peer-layout``'s default; see the docstring of DEFAULT_LAYOUT).
 
-Measured exactly as the bench measures the service (loadtest.service.closed_loop): ``--clients``
+Measured exactly as the bench measures the service (loadtest.lib.service.closed_loop): ``--clients``
 closed-loop clients replay the clips in the bench's order, ``--warmup`` s unmeasured then
 ``--duration`` s; throughput is audio seconds of the requests that finished inside the window
 over its length. Also: short-clip (<= 10 s) latency of those requests, errors by kind, the CPU
 the server's processes used in the window, their peak RSS (VmHWM, summed over the processes)
-and the WER (loadtest.scoring) of the transcripts it returned (each clip's first).
+and the WER (loadtest.lib.stats) of the transcripts it returned (each clip's first).
 """
 
 from __future__ import annotations
@@ -52,24 +52,21 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.common import (
+from loadtest.lib.common import (
     ROOT,
-    SHORT_CLIP_S,
-    Clip,
     child_env,
     free_port,
-    load_corpus,
     machine_info,
     parse_layout,
     proc_status_kb,
     resolve_model,
-    select_clips,
     wait_up,
 )
-from loadtest.probes import cpu_seconds
-from loadtest.report import error_kinds, log
-from loadtest.scoring import latency_summary, wer_by_group
-from loadtest.service import Client, Result, closed_loop
+from loadtest.lib.corpus import SHORT_CLIP_S, Clip, load_corpus, select_clips
+from loadtest.lib.probes import cpu_seconds
+from loadtest.lib.report import error_kinds, log
+from loadtest.lib.service import Client, Result, closed_loop
+from loadtest.lib.stats import latency_summary, wer_by_group
 
 PEER_VENV = ROOT / ".venv-peer"
 PEER_SETUP = ROOT / "loadtest" / "peer_setup.sh"
@@ -190,7 +187,7 @@ class PeerServer:
             self.proc.wait(30)
 
 
-# ---- the client: loadtest.service.Client on the OpenAI endpoint -------------------------------
+# ---- the client: loadtest.lib.service.Client on the OpenAI endpoint -------------------------------
 class PeerClient(Client):
     """The bench's client (same uploads, same aiohttp session) posting to the peer's
     ``/v1/audio/transcriptions``; the peer has no /metrics, so those are empty.
@@ -206,7 +203,7 @@ class PeerClient(Client):
                          {"model": MODEL_NAME, "model_name": MODEL_NAME, "response_format": "json"})
 
     async def transcribe(self, clip: Clip) -> Result:
-        form = self._form(Path(clip.path).name, self.blobs[clip.id])
+        form = self._form(clip.path.name, self.blobs[clip.id])
         sent = time.monotonic()
         try:
             async with self.http.post("/v1/audio/transcriptions", data=form,

@@ -41,7 +41,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import ROOT, layout_name, load_corpus, machine_info, resolve_model, save_clips
 from loadtest.dataset import (
     PROCESSED,
     metrics,
@@ -50,9 +49,11 @@ from loadtest.dataset import (
     steady_state,
     write_manifest,
 )
-from loadtest.phases import offline_engine, parse_engine_configs
-from loadtest.report import log
-from loadtest.service import Server
+from loadtest.lib.common import ROOT, layout_name, machine_info, resolve_model
+from loadtest.lib.corpus import load_corpus, save_clips
+from loadtest.lib.phases import offline_engine, parse_engine_configs
+from loadtest.lib.report import log
+from loadtest.lib.service import Server
 
 GPU_RESULT = ROOT / "loadtest" / "results" / "gpu-h200.json"
 
@@ -171,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=None)
     p.add_argument("--out", type=Path, default=Path("loadtest/results/ray_dataset.json"))
     args = p.parse_args(argv)
-    args.language = "en"  # what loadtest.phases.offline_engine reads
+    args.language = "en"  # what loadtest.lib.phases.offline_engine reads
     work = args.workdir or Path(tempfile.mkdtemp(prefix="batchscribe-ray-"))
     work.mkdir(parents=True, exist_ok=True)
     clips = load_corpus(args.corpus) if args.corpus else load_corpus()

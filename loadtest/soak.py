@@ -51,18 +51,11 @@ from typing import Any
 import httpx
 import numpy as np
 
-from loadtest.common import (
-    DEFAULT_CORPUS,
-    Clip,
-    child_env,
-    free_port,
-    load_corpus,
-    machine_info,
-    proc_status_kb,
-)
 from loadtest.hook_receiver import HookReceiver
-from loadtest.hostile_inputs import header_only_wav, load, lying_flac, lying_mkv, wav
-from loadtest.soak_audit import audit, latencies
+from loadtest.lib.common import child_env, free_port, machine_info, proc_status_kb
+from loadtest.lib.corpus import DEFAULT_CORPUS, Clip, load_corpus
+from loadtest.lib.hostile_inputs import header_only_wav, load, lying_flac, lying_mkv, wav
+from loadtest.lib.soak_audit import audit, latencies
 from loadtest.soak_hostile import CANCELLABLE, OTHER, TERMINAL, Expect, Hostile, Media, Recorder
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -24,7 +24,7 @@ from urllib.parse import urlsplit
 import httpx
 import openai
 
-from loadtest.hostile_inputs import SSRF_URLS, playlists, wav_declaring
+from loadtest.lib.hostile_inputs import SSRF_URLS, playlists, wav_declaring
 
 TERMINAL = ("done", "failed", "cancelled")
 OTHER = "B"  # the key that sends normal (and hostile) requests; "A" floods tiny jobs

@@ -3,8 +3,8 @@
     PYTHONPATH=$PWD .venv/bin/python -m loadtest.stall --requests 100 --idle 100 \
         --out loadtest/results/stall.json
 
-A real server (``loadtest.batch_trace`` as its entry point: every engine call and submit is
-traced), a long WAV kept in flight (posted again when it ends, as ``loadtest.traffic``), and one
+A real server (``loadtest.lib.batch_trace`` as its entry point: every engine call and submit is
+traced), a long WAV kept in flight (posted again when it ends, as ``loadtest.lib.traffic``), and one
 client sending short clips (<= 10 s) one at a time, latency from each POST; first ``--idle`` of
 them on the idle server, then ``--requests`` beside the upload, the same clips in the same order.
 The upload (``--upload meeting``, the default) is long continuous speech as a meeting recording
@@ -36,9 +36,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import SHORT_CLIP_S, Clip, load_corpus, machine_info, write_wav16
-from loadtest.scoring import latency_summary
-from loadtest.service import TERMINAL, Client, Cycle, Server, write_long_wav
+from loadtest.lib.common import machine_info, write_wav16
+from loadtest.lib.corpus import SHORT_CLIP_S, Clip, load_corpus
+from loadtest.lib.service import TERMINAL, Client, Cycle, Server, write_long_wav
+from loadtest.lib.stats import latency_summary
 
 READ_SPEECH = ("librispeech", "ljspeech", "librivox", "librivox_long", "earnings22_long")
 
@@ -52,7 +53,7 @@ def write_meeting_wav(clips: list[Clip], path: Path, min_s: float, gap_s: float 
     from app.windows import SAMPLE_RATE
 
     gap = np.zeros(int(gap_s * SAMPLE_RATE), np.float32)
-    decoded = [decode(Path(c.path), 3600.0)
+    decoded = [decode(c.path, 3600.0)
                for c in sorted((c for c in clips if c.set in READ_SPEECH), key=lambda c: c.id)]
     parts: list[Any] = []
     total = 0
@@ -81,7 +82,7 @@ async def _spy(pid: int, out: list[dict[str, Any]], since: float, stop: asyncio.
 
 async def _short(client: Client, clip: Clip, pid: int, spy_after: float,
                  dumps: list[dict[str, Any]]) -> dict[str, Any]:
-    form = client._form(Path(clip.path).name, client.blobs[clip.id])
+    form = client._form(clip.path.name, client.blobs[clip.id])
     sent = time.monotonic()
     stop = asyncio.Event()
 
@@ -115,7 +116,7 @@ async def run(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     trace = work / "trace.jsonl"
     server = Server(work / "server", env={"BATCHSCRIBE_BATCH_TRACE": str(trace),
                                           "BATCHSCRIBE_MODEL__NAME": args.model},
-                    argv=["-m", "loadtest.batch_trace"]).start()
+                    argv=["-m", "loadtest.lib.batch_trace"]).start()
     assert server.proc is not None
     pid = server.proc.pid
     client = Client(server.url, clips, "en")
@@ -343,7 +344,7 @@ def main() -> None:
                     help="only the engine's cost of each short clip (no server)")
     args = ap.parse_args()
     if args.engine_costs:
-        from loadtest.stall_costs import engine_costs
+        from loadtest.lib.stall_costs import engine_costs
 
         load = os.getloadavg()
         rows = engine_costs(args.model)

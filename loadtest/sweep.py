@@ -22,19 +22,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import (
+from loadtest.lib.common import (
     child_env,
     cpu_count,
     layout_name,
-    load_corpus,
     machine_info,
     parse_layout,
     resolve_model,
     run_json_subprocess,
-    save_clips,
-    select_clips,
     tcmalloc_path,
 )
+from loadtest.lib.corpus import load_corpus, save_clips, select_clips
 
 
 def log(msg: str) -> None:

@@ -20,7 +20,8 @@ import pytest
 import app.engine.gpumem as gpumem
 from app.config import ModelSettings, Settings
 from app.engine.whisper import WhisperEngine
-from loadtest.common import free_port
+from loadtest.lib.common import free_port
+from loadtest.lib.corpus import ML_CORPUS, Clip, read_manifest
 from models.registry import resolve
 from tests.fakegpu import FakeDevice, FakeGpu, install
 from tests.fakes import Rigs
@@ -31,7 +32,6 @@ if TYPE_CHECKING:
 
 ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "corpus"))
-READ_SPEECH = ("librispeech", "ljspeech", "librivox")
 
 
 # Test files by their time under three pytest workers (timeline at 5144075: 263 s for the first,
@@ -83,17 +83,6 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         (Path(out) / f"{worker}.json").write_text(json.dumps(_cpu, indent=1))
 
 
-@dataclass(frozen=True)
-class Clip:
-    id: str
-    path: Path
-    duration_s: float
-    reference: str
-    set: str
-    sample_rate: int
-    channels: int
-
-
 def need(ok: object, reason: str) -> None:
     """Skip the test when something it needs is missing, saying what; with ``CI`` set (.ci/run
     sets it), fail instead: a CI run must not pass by skipping what it was meant to test."""
@@ -105,14 +94,16 @@ def need(ok: object, reason: str) -> None:
 
 
 def corpus_clips() -> list[Clip]:
-    manifest = CORPUS / "manifest.jsonl"
-    need(manifest.is_file(), f"corpus not found at {CORPUS} (set BATCHSCRIBE_CORPUS)")
-    out = []
-    for line in manifest.read_text().splitlines():
-        d = json.loads(line)
-        out.append(Clip(d["id"], CORPUS / d["file"], float(d["duration_s"]), d["reference"],
-                        d["set"], int(d["sample_rate"]), int(d["channels"])))
-    return out
+    """The corpus in its manifest's order (loadtest/lib/corpus.py: the benchmarks' clips)."""
+    need((CORPUS / "manifest.jsonl").is_file(), f"corpus not found at {CORPUS} (set BATCHSCRIBE_CORPUS)")
+    return read_manifest(CORPUS)
+
+
+def multilingual_clips() -> list[Clip]:
+    """The multilingual corpus in its manifest's order (the language of each clip its own)."""
+    need((ML_CORPUS / "manifest.jsonl").is_file(), f"multilingual corpus not found at {ML_CORPUS} "
+         "(set BATCHSCRIBE_MULTILINGUAL_CORPUS)")
+    return read_manifest(ML_CORPUS)
 
 
 @pytest.fixture(scope="session")

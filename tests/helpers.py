@@ -17,7 +17,7 @@ import uvicorn
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.config import Settings
-from loadtest.common import free_port
+from loadtest.lib.common import free_port
 
 if TYPE_CHECKING:
     from openai import OpenAI

@@ -9,8 +9,6 @@ its own ffmpeg and posts raw s16le 16 kHz mono PCM with ``encode=false``, as a m
 from __future__ import annotations
 
 import io
-import json
-import os
 import secrets
 import wave
 from concurrent.futures import ThreadPoolExecutor
@@ -29,13 +27,12 @@ from app.api.asr import spool_pcm
 from app.errors import PayloadTooLarge
 from app.results.asr import asr_body, asr_json
 from app.results.formats import CueOptions
-from tests.conftest import CORPUS, Clip, Server
+from loadtest.lib.corpus import Clip
+from tests.conftest import Server, multilingual_clips
 from tests.helpers import wait_until
 from tests.test_e2e import metric
 from tests.test_subtitles import SENTENCE, timed_result
 from tests.wer import wer
-
-MULTILINGUAL = Path(os.environ.get("BATCHSCRIBE_CORPUS_MULTILINGUAL", CORPUS.parent / "corpus-multilingual"))
 
 
 # ---- shapes (no model) -------------------------------------------------------------------------
@@ -164,19 +161,11 @@ def test_asr_outputs_and_subtitle_options(server: Server, clips: list[Clip]) -> 
 
 
 def multilingual() -> dict[str, tuple[Path, str]]:
-    """The longest clip of German, French and Spanish: {language: (path, language)}."""
-    manifest = MULTILINGUAL / "manifest.jsonl"
-    if not manifest.is_file():
-        msg = f"multilingual corpus not found at {MULTILINGUAL}"
-        if os.environ.get("CI"):
-            pytest.fail(msg)
-        pytest.skip(msg)
-    rows = [json.loads(line) for line in manifest.read_text().splitlines()]
-    out = {}
-    for lang in ("de", "fr", "es"):
-        r = max((r for r in rows if r["language"] == lang), key=lambda r: r["duration_s"])
-        out[lang] = (MULTILINGUAL / r["file"], r["id"])
-    return out
+    """The longest clip of German, French and Spanish: {language: (path, clip id)}."""
+    clips = multilingual_clips()
+    longest = {lang: max((c for c in clips if c.language == lang), key=lambda c: c.duration_s)
+               for lang in ("de", "fr", "es")}
+    return {lang: (c.path, c.id) for lang, c in longest.items()}
 
 
 @pytest.mark.model

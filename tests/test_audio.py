@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 
 from app.audio import media as audio
-from loadtest.hostile_inputs import encode, load, wav
-from tests.conftest import Clip
+from loadtest.lib.corpus import Clip
+from loadtest.lib.hostile_inputs import encode, load, wav
 from tests.test_bad_input import huge_header_wav
 
 

@@ -16,7 +16,8 @@ from typing import Any
 
 import pytest
 
-from tests.conftest import Clip, Server
+from loadtest.lib.corpus import Clip
+from tests.conftest import Server
 from tests.helpers import sha
 from tests.test_hostile import post_as
 from tests.test_security import KEY_A

@@ -20,8 +20,9 @@ import pytest
 from prometheus_client import CollectorRegistry, Counter
 
 from app.jobs.speed import DEFAULT_SPEED, Speed
-from loadtest.common import proc_status_kb
-from tests.conftest import Clip, Server
+from loadtest.lib.common import proc_status_kb
+from loadtest.lib.corpus import Clip
+from tests.conftest import Server
 from tests.helpers import wait_until
 from tests.test_bad_input import HealthWatch
 from tests.test_crash import speech_clips, submit

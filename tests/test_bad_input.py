@@ -18,9 +18,10 @@ import numpy as np
 import pytest
 from openai import APIStatusError
 
-from loadtest.common import proc_status_kb
-from loadtest.hostile_inputs import encode, encode_chunks, load, wav
-from tests.conftest import Clip, Server, corpus_clips
+from loadtest.lib.common import proc_status_kb
+from loadtest.lib.corpus import Clip
+from loadtest.lib.hostile_inputs import encode, encode_chunks, load, wav
+from tests.conftest import Server, corpus_clips
 from tests.helpers import openai_client
 
 pytestmark = pytest.mark.model
@@ -29,7 +30,7 @@ MAX_UPLOAD = 4 * 1024 * 1024
 MAX_AUDIO_S = 3600.0
 
 
-# ---- generators (load, wav, encode: loadtest/hostile_inputs.py) ----------------------------
+# ---- generators (load, wav, encode: loadtest/lib/hostile_inputs.py) ----------------------------
 def two_hour_flac() -> bytes:
     """2 h of digital silence: FLAC squeezes it to ~1.3 MB, so only the duration limit applies."""
     rate = 8000

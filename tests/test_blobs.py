@@ -19,7 +19,8 @@ import pytest
 from app.config import StorageSettings
 from app.jobs.blobs import LocalBlobs, S3Blobs, make_blobs
 from app.net.s3 import s3_client
-from tests.conftest import Clip, Server, free_port
+from loadtest.lib.corpus import Clip
+from tests.conftest import Server, free_port
 from tests.wer import wer
 
 

@@ -19,7 +19,8 @@ import httpx
 import jiwer
 import pytest
 
-from tests.conftest import Clip, Server
+from loadtest.lib.corpus import Clip
+from tests.conftest import Server
 from tests.helpers import wait_until
 
 pytestmark = pytest.mark.model

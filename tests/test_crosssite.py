@@ -24,8 +24,8 @@ from websockets.sync.client import connect
 from websockets.typing import Origin
 
 from app.api.middleware.origin import CrossSiteGuard
-from loadtest.common import free_port
-from tests.conftest import Clip
+from loadtest.lib.common import free_port
+from loadtest.lib.corpus import Clip
 from tests.helpers import fake_service, post
 
 EVIL = {"Origin": "https://evil.example", "Sec-Fetch-Site": "cross-site"}

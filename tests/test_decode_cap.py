@@ -21,8 +21,8 @@ from app.config import ModelSettings, Settings
 from app.engine.decoder import Fallback, fallback_for
 from app.engine.whisper import WhisperEngine
 from app.windows import TOKEN_SLACK, DecodeOptions, Prompt, Window, WindowResult
+from loadtest.lib.corpus import READ_SPEECH, Clip
 from models.registry import resolve
-from tests.conftest import READ_SPEECH, Clip
 
 LOOPING_CLIP = "mfa-mfa_uhuh"  # 5.8 s of "uh, uh": whisper-base loops on it at any padding
 EN = DecodeOptions()

@@ -25,8 +25,8 @@ from app.audio.vad import SileroVad
 from app.config import Settings
 from app.engine.whisper import WhisperEngine
 from app.windows import DecodeOptions, JobOptions, Prompt, Window
-from tests.conftest import Clip, Server
-from tests.test_language import multilingual
+from loadtest.lib.corpus import Clip
+from tests.conftest import Server, multilingual_clips
 
 
 def test_the_beam_follows_the_language() -> None:
@@ -89,9 +89,9 @@ def _windows(clips: list[Clip]) -> list[Window]:
 def _cut(english: tuple[str, ...]) -> list[tuple[np.ndarray, float, float, str | None]]:
     vad = SileroVad()
     out = []
-    for k, (_, path, language) in enumerate(multilingual()[::2]):
-        w = prepare(path, vad, 3600.0)[1][0]
-        out.append((w.audio, w.start, w.end, language if k % 2 else None))
+    for k, c in enumerate(multilingual_clips()[::2]):
+        w = prepare(c.path, vad, 3600.0)[1][0]
+        out.append((w.audio, w.start, w.end, c.language if k % 2 else None))
     for name in english:
         w = prepare(Path(name), vad, 3600.0)[1][0]
         out.append((w.audio, w.start, w.end, None))
@@ -131,7 +131,7 @@ def test_a_request_with_no_beam_reads_other_languages_at_beam_5(server: Server,
                                                                clips: list[Clip]) -> None:
     """End to end: clips posted with no beam and no language read as with ``beam_size=5``
     where they are not English, and as with ``beam_size=1`` where they are."""
-    multi = {i: p for i, p, _ in multilingual()}
+    multi = {c.id: c.path for c in multilingual_clips()}
     other = [multi[i] for i in ("fleurs-fr-cuttledoc-005", "deepspeech-ru-sample",
                                 "nst-sv-se10x016-08071999-1334_u0016002",
                                 "fleurs-de-cuttledoc-008")]

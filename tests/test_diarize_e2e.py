@@ -16,7 +16,8 @@ import srt
 import webvtt
 
 from app.speakers import Turn
-from tests.conftest import Clip, Server
+from loadtest.lib.corpus import Clip
+from tests.conftest import Server
 from tests.helpers import openai_client, post
 from tests.test_speaker_output import stereo, two_clips
 from tests.test_speakers import (
@@ -115,7 +116,7 @@ def test_speaker_bounds_are_honoured(client: httpx.Client, sample: Path, tmp_pat
     assert three["diarization"] == {"speakers": 3, "asked": {"num_speakers": 3}, "met": True}
     # ~2 s of speech cannot hold 4 speakers: the result says so instead of answering quietly.
     from app.audio import decode
-    from loadtest.common import write_wav16
+    from loadtest.lib.common import write_wav16
 
     write_wav16(tmp_path / "short.wav", decode(sample, 3600)[3 * 16_000: int(5.5 * 16_000)])
     short = transcribed(client, tmp_path / "short.wav", diarize="true", num_speakers="4")["result"]

@@ -23,8 +23,8 @@ from app.main import create_app
 from app.speakers import Diarizer
 from app.speakers.service import SpeakerService
 from app.windows import SAMPLE_RATE, JobOptions
-from loadtest.common import write_wav16
-from tests.conftest import Clip
+from loadtest.lib.common import write_wav16
+from loadtest.lib.corpus import Clip
 from tests.fakes import BOUND, FakeEngine
 from tests.helpers import fake_settings, post, serve, value
 from tests.test_speaker_output import stereo

@@ -8,7 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 
-from tests.conftest import READ_SPEECH, Clip, Server
+from loadtest.lib.corpus import READ_SPEECH, Clip
+from tests.conftest import Server
 from tests.wer import wer
 
 pytestmark = pytest.mark.model

@@ -17,7 +17,7 @@ import pytest
 
 from app.errors import public_error
 from app.net.outbound import OutboundError, public_category
-from tests.conftest import Clip
+from loadtest.lib.corpus import Clip
 from tests.fakes import FakeEngine
 from tests.helpers import fake_service, post, wait_done
 

@@ -18,7 +18,8 @@ import pytest
 import srt
 
 from app.audio import media as audio
-from tests.conftest import READ_SPEECH, ROOT, Clip, Server
+from loadtest.lib.corpus import READ_SPEECH, Clip
+from tests.conftest import ROOT, Server
 from tests.wer import wer
 
 pytestmark = pytest.mark.model

@@ -1,4 +1,4 @@
-"""loadtest.gpu_bundle: parts arriving one call at a time are joined and checked on the host."""
+"""loadtest.gpu.bundle: parts arriving one call at a time are joined and checked on the host."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest import gpu_bundle
+from loadtest.gpu import bundle as gpu_bundle
 
 
 def _part(bundle: Path, k: int, parts: int, files: dict[str, bytes]) -> None:

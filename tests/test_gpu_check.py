@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from loadtest.common import Clip, write_wav16
-from loadtest.gpu_check import STEPS, Report, held_to, parse
-from loadtest.gpu_steps import write_upload
+from loadtest.gpu.check import STEPS, Report, held_to, parse
+from loadtest.gpu.steps import write_upload
+from loadtest.lib.common import write_wav16
+from loadtest.lib.corpus import Clip
 
 
 def test_steps_are_chosen_by_only_and_skip() -> None:
@@ -67,7 +68,7 @@ def test_a_long_upload_carries_its_clips_references(tmp_path: Path) -> None:
     for k, (seconds, ref) in enumerate([(2.0, "alpha beta"), (3.0, "gamma")]):
         path = tmp_path / f"c{k}.wav"
         write_wav16(path, 0.1 * np.ones(int(seconds * 16_000), np.float32))
-        clips.append(Clip(f"c{k}", str(path), seconds, ref, "read"))
+        clips.append(Clip(f"c{k}", path, seconds, ref, "read"))
     # 11 s: 2 + 0.8 + 3 + 0.8 = 6.6 s a cycle, so the clips twice (13.2 s)
     upload = write_upload(clips, tmp_path / "long.wav", 11 / 60)
     assert upload.set == "long" and upload.duration_s == pytest.approx(13.2, abs=0.01)

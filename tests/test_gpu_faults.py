@@ -32,8 +32,8 @@ from app.errors import TranscriptionFailed
 from app.main import create_app
 from app.metrics import Metrics
 from app.windows import DecodeOptions, WindowResult
+from loadtest.lib.corpus import Clip
 from models.registry import ModelUnavailable
-from tests.conftest import Clip
 from tests.fakegpu import DEVICE_ERROR_TEXTS, INVALID_DEVICE_TEXT, OOM_TEXTS, FakeGpu, MeterEngine
 from tests.fakes import gather, tagged_window
 from tests.helpers import serve, value, wait_done

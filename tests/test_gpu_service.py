@@ -21,10 +21,11 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.probes import histogram_delta, parse_metrics
-from loadtest.service import write_long_wav
+from loadtest.lib.corpus import Clip
+from loadtest.lib.probes import histogram_delta, parse_metrics
+from loadtest.lib.service import write_long_wav
 from models.provision import default_cache_dir
-from tests.conftest import ROOT, Clip, Server
+from tests.conftest import ROOT, Server
 from tests.fakegpu import INVALID_DEVICE_TEXT, OOM_TEXTS, read_events
 from tests.wer import wer
 

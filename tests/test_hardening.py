@@ -34,7 +34,7 @@ from app.jobs.intake import clean_name
 from app.jobs.store import JobStore
 from app.jobs.views import JobView
 from app.main import create_app
-from tests.conftest import Clip
+from loadtest.lib.corpus import Clip
 from tests.fakes import FakeEngine
 from tests.helpers import fake_settings, serve
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 from app.engine.heap import HeapTrim
-from loadtest.common import proc_status_kb
+from loadtest.lib.common import proc_status_kb
 
 
 class FakeLib:

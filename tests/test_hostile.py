@@ -25,8 +25,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from app.audio import decode
-from loadtest.hostile_inputs import SSRF_URLS, encode, header_only_wav, lying_flac, wav
-from tests.conftest import Clip, Server
+from loadtest.lib.corpus import Clip
+from loadtest.lib.hostile_inputs import SSRF_URLS, encode, header_only_wav, lying_flac, wav
+from tests.conftest import Server
 from tests.helpers import bearer, post, sha
 from tests.test_security import KEY_A, KEY_B
 

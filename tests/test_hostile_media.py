@@ -14,8 +14,9 @@ import httpx
 import numpy as np
 import pytest
 
-from loadtest.hostile_inputs import load, lying_mkv, playlists, wav, wav_declaring
-from tests.conftest import Clip, Server
+from loadtest.lib.corpus import Clip
+from loadtest.lib.hostile_inputs import load, lying_mkv, playlists, wav, wav_declaring
+from tests.conftest import Server
 from tests.helpers import post
 
 pytestmark = pytest.mark.model

@@ -24,7 +24,8 @@ import pytest
 
 from app.jobs.store import JobStore
 from app.main import create_app
-from tests.conftest import CORPUS, Clip, Server, corpus_clips
+from loadtest.lib.corpus import Clip
+from tests.conftest import CORPUS, Server, corpus_clips
 from tests.fakes import FakeEngine
 from tests.helpers import fake_settings, openai_client, post, serve, wait_done
 from tests.wer import wer

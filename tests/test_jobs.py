@@ -22,7 +22,7 @@ from app.jobs.runner import JobRunner
 from app.jobs.store import JobRow, JobStore
 from app.metrics import Metrics
 from app.windows import JobOptions
-from tests.conftest import Clip
+from loadtest.lib.corpus import Clip
 from tests.fakes import BOUND, FakeEngine
 
 EN = JobOptions(language="en")

@@ -11,8 +11,6 @@
 
 from __future__ import annotations
 
-import json
-import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -23,25 +21,11 @@ from app.audio import decode, prepare
 from app.audio.vad import SileroVad
 from app.engine.whisper import WhisperEngine
 from app.windows import DecodeOptions, Prompt, Window
-from tests.conftest import ROOT, Clip, Server
+from loadtest.lib.corpus import Clip
+from tests.conftest import Server, multilingual_clips
 from tests.references import peer_reference
 
 pytestmark = pytest.mark.model
-
-MULTI = Path(os.environ.get("BATCHSCRIBE_MULTILINGUAL_CORPUS",
-                            ROOT.parent / "shared" / "corpus-multilingual"))
-
-
-def multilingual() -> list[tuple[str, Path, str]]:
-    """(id, path, language) of every multilingual corpus clip; fails under CI when missing."""
-    manifest = MULTI / "manifest.jsonl"
-    if not manifest.is_file():
-        if os.environ.get("CI"):
-            pytest.fail(f"multilingual corpus not found at {MULTI}")
-        pytest.skip(f"multilingual corpus not found at {MULTI}")
-    rows = [json.loads(line) for line in manifest.read_text().splitlines() if line.strip()]
-    return [(r["id"], MULTI / r["file"], r["language"]) for r in rows]
-
 
 def faster_whisper_detected(paths: list[Path]) -> list[str]:
     """faster-whisper's own ``detect_language`` on each whole clip, same model folder."""
@@ -94,8 +78,8 @@ def faster_whisper_reference(cases: list[tuple[str, Path, str]]) -> list[str]:
 
 def test_detection_is_at_least_as_accurate_as_faster_whispers(server: Server,
                                                               clips: list[Clip]) -> None:
-    multi = multilingual()
-    cases = [(i, p, lang) for i, p, lang in multi] + [(c.id, c.path, "en") for c in clips]
+    multi = multilingual_clips()
+    cases = [(c.id, c.path, c.language or "") for c in multi] + [(c.id, c.path, "en") for c in clips]
     paths = [p for _, p, _ in cases]
     ours = service_detected(server, paths)
     theirs = faster_whisper_reference(cases)
@@ -119,7 +103,7 @@ def test_languages_prompts_and_hotwords_share_a_decoder_batch(engine: WhisperEng
     alone: language and prompt are per window, not batch keys. (CTranslate2 needs
     <|startoftranscript|> at one position per generate call, so prompts of different token
     counts run as separate generate calls inside that decode; languages always share one.)"""
-    multi = {i: p for i, p, _ in multilingual()}
+    multi = {c.id: c.path for c in multilingual_clips()}
     vad = SileroVad()
     prompts = [Prompt(language="fr"), Prompt(language="de"),
                Prompt(language="es", initial_prompt="Noticias del día."),

@@ -60,7 +60,7 @@ def test_documentation_links_lead_to_files_and_headings_that_exist() -> None:
 def test_the_bench_writes_its_table_into_the_loadtest_readme(tmp_path: Path) -> None:
     """``python -m loadtest.bench --readme loadtest/README.md`` replaces the Performance block;
     the front page holds no generated block."""
-    from loadtest.report import replace_readme
+    from loadtest.lib.report import replace_readme
 
     readme = tmp_path / "README.md"
     readme.write_text((ROOT / "loadtest" / "README.md").read_text())

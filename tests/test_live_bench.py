@@ -14,9 +14,8 @@ import pytest
 
 from app.live.audio import encode_pcm16
 from app.live.session import LiveSession, serve
-from loadtest.common import free_port
-from loadtest.live import run_sessions
-from loadtest.live_common import (
+from loadtest.lib.common import free_port
+from loadtest.lib.live_common import (
     Outcome,
     Stream,
     Utterance,
@@ -26,6 +25,7 @@ from loadtest.live_common import (
     wer_by_set,
     wer_by_turns,
 )
+from loadtest.live import run_sessions
 from tests.live_fakes import EnergyVad, ScriptedDecoder, silence, speech
 
 websockets = pytest.importorskip("websockets")
@@ -225,7 +225,7 @@ def test_wer_by_set_keeps_read_speech_apart_from_the_hard_cases() -> None:
 def test_the_turns_uploaded_are_cut_and_scored_as_the_live_turns() -> None:
     """Each finalised turn's audio is the stream between its span's ends (an open end: to the
     stream's end), and its upload's text takes the live text's place utterance by utterance."""
-    from loadtest.live_common import read_as, turn_audio
+    from loadtest.lib.live_common import read_as, turn_audio
 
     audio = np.arange(16_000 * 6, dtype=np.float32)
     u = [Utterance("a", "red green blue", 0.5, 2.0), Utterance("b", "cat dog", 3.0, 5.0)]

@@ -15,7 +15,8 @@ import pytest
 
 from app.audio import decode
 from app.live.audio import encode_pcm16
-from tests.conftest import READ_SPEECH, Clip, Server
+from loadtest.lib.corpus import READ_SPEECH, Clip
+from tests.conftest import Server
 from tests.wer import wer
 
 pytestmark = pytest.mark.model

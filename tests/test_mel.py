@@ -10,7 +10,7 @@ import pytest
 from app.engine.mel import batch_features, encoder_input
 from app.engine.whisper import WhisperEngine
 from app.windows import N_SAMPLES, SAMPLE_RATE, DecodeOptions, Prompt, Window
-from tests.conftest import Clip
+from loadtest.lib.corpus import Clip
 
 
 def _windows() -> list[np.ndarray]:

@@ -29,8 +29,9 @@ from app.config import BatcherSettings
 from app.engine import EngineInfo
 from app.main import JsonFormatter, create_app
 from app.windows import SAMPLE_RATE
-from loadtest.common import write_wav16
-from tests.conftest import ROOT, Clip, need
+from loadtest.lib.common import write_wav16
+from loadtest.lib.corpus import Clip
+from tests.conftest import ROOT, need
 from tests.fakes import FakeEngine
 from tests.helpers import fake_settings, samples, serve, value, wait_done
 from tests.test_device import FakeNvml, two_gpus

@@ -90,7 +90,7 @@ def test_names_are_kept_and_the_others_numbered() -> None:
 @pytest.fixture(scope="module")
 def clips(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from app.audio import decode
-    from loadtest.common import write_wav16
+    from loadtest.lib.common import write_wav16
 
     folder = tmp_path_factory.mktemp("named")
     audio = decode(CORPUS / corpus_item(SAMPLE)["file"], 3600)
@@ -163,7 +163,7 @@ def test_reference_files_on_transcribe(server: Server, clips: dict[str, Path]) -
 @pytest.mark.model
 def test_bad_references_are_400s_in_openais_shape(oa: OpenAI, server: Server,
                                                   clips: dict[str, Path], tmp_path: Path) -> None:
-    from loadtest.common import write_wav16
+    from loadtest.lib.common import write_wav16
 
     write_wav16(tmp_path / "silence.wav", np.zeros(3 * SR, np.float32))
     write_wav16(tmp_path / "blip.wav", np.full(SR // 2, 0.1, np.float32))

@@ -18,7 +18,7 @@ import uvicorn
 from fastapi import FastAPI
 
 from app.main import create_app
-from loadtest.common import free_port
+from loadtest.lib.common import free_port
 from tests.conftest import need
 from tests.fakes import FakeEngine
 from tests.helpers import fake_settings

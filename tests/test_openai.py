@@ -12,7 +12,8 @@ import srt
 import webvtt
 from openai import OpenAI
 
-from tests.conftest import Clip, Server
+from loadtest.lib.corpus import Clip
+from tests.conftest import Server
 from tests.helpers import openai_client
 from tests.wer import wer
 

@@ -18,8 +18,8 @@ from openai import OpenAI
 from app.audio import decode
 from app.audio.server_vad import InvalidChunking, TunedVad, parse, vad_for
 from app.audio.vad import SileroVad
-from loadtest.common import write_wav16
-from tests.conftest import Clip
+from loadtest.lib.common import write_wav16
+from loadtest.lib.corpus import Clip
 from tests.test_vad import faster_whisper_spans
 
 SR = 16_000

@@ -28,8 +28,9 @@ from app import audio
 from app.api import openai_stream
 from app.jobs.work import Active
 from app.windows import SAMPLE_RATE, JobOptions, WindowResult
+from loadtest.lib.corpus import Clip
 from tests import test_jobs
-from tests.conftest import Clip, Server
+from tests.conftest import Server
 from tests.helpers import wait_until
 from tests.test_jobs import Rig
 

@@ -21,7 +21,7 @@ import trustme
 from app.config import OutboundSettings
 from app.errors import BadRequest
 from app.net.outbound import OutboundError, OutboundGuard, address_problem
-from loadtest.hostile_inputs import SSRF_URLS
+from loadtest.lib.hostile_inputs import SSRF_URLS
 
 # The URLs the issue reported accepted (202) with webhooks on.
 PUBLIC = "93.184.216.34"

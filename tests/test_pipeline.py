@@ -29,7 +29,7 @@ from app.jobs.pipeline import make_batcher, make_prep, make_stages
 from app.main import create_app
 from app.metrics import Metrics
 from app.windows import DecodeOptions, Encoded, JobOptions, Window, WindowResult
-from tests.conftest import Clip
+from loadtest.lib.corpus import Clip
 from tests.fakes import FakeEngine, FakeStagedEngine
 from tests.helpers import serve
 

@@ -27,7 +27,8 @@ import numpy as np
 import pytest
 import sqlalchemy as sa
 
-from tests.conftest import Clip, Server, free_port, need
+from loadtest.lib.corpus import Clip
+from tests.conftest import Server, free_port, need
 from tests.helpers import wait_until
 from tests.test_crash import finished_done, speech_clips, submit
 from tests.wer import wer

@@ -24,7 +24,7 @@ from app.audio import AudioStream, cut_windows, decode
 from app.audio.vad import SileroVad
 from app.jobs.prep import PrepPool
 from app.windows import N_SAMPLES, SAMPLE_RATE, Window
-from tests.conftest import Clip
+from loadtest.lib.corpus import Clip
 from tests.fakes import BOUND
 from tests.test_jobs import GatedBlobs, Rig, rig_factory  # noqa: F401  (the fixture)
 

@@ -21,7 +21,8 @@ import httpx
 import pytest
 import yaml
 
-from tests.conftest import READ_SPEECH, Clip, Server, free_port, need
+from loadtest.lib.corpus import READ_SPEECH, Clip
+from tests.conftest import Server, free_port, need
 from tests.test_metrics import (
     ALERTS,
     DASHBOARD,

@@ -37,7 +37,8 @@ from app.cli import main
 from app.dataset.parts import PartStore
 from app.dataset.plan import plan
 from app.dataset.stage import Transcriber
-from tests.conftest import CORPUS, ROOT, Clip, Server, corpus_clips
+from loadtest.lib.corpus import Clip
+from tests.conftest import CORPUS, ROOT, Server, corpus_clips
 from tests.test_speakers import CORPUS as DIARIZATION
 from tests.test_speakers import SAMPLE, corpus_item
 from tests.wer import wer

@@ -20,7 +20,7 @@ from app.dataset.inputs import Request, RowError, Spool, audio_source, plain, wa
 from app.dataset.parts import PartsError, PartStore, key, part_name
 from app.dataset.plan import plan
 from app.dataset.stage import Transcriber, batch_rows
-from tests.conftest import Clip
+from loadtest.lib.corpus import Clip
 from tests.fakes import FakeEngine
 
 

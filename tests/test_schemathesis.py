@@ -29,7 +29,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.conftest import Clip, Server
+from loadtest.lib.corpus import Clip
+from tests.conftest import Server
 
 pytestmark = pytest.mark.model
 

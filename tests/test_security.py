@@ -34,7 +34,8 @@ from app.api.middleware.keys import (
     owner_of,
 )
 from app.config import SecuritySettings, Settings
-from tests.conftest import ROOT, Clip, Server, free_port
+from loadtest.lib.corpus import Clip
+from tests.conftest import ROOT, Server, free_port
 from tests.helpers import bearer, openai_client, sha, wait_until
 from tests.test_asr import bazarr, pcm
 from tests.wer import wer

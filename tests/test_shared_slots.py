@@ -23,7 +23,7 @@ import pytest
 
 from app import audio
 from app.main import create_app
-from loadtest.hostile_inputs import lying_mkv
+from loadtest.lib.hostile_inputs import lying_mkv
 from tests.conftest import Clip
 from tests.fakes import FakeEngine
 from tests.test_metrics import fake_settings, serve

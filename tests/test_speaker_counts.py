@@ -10,7 +10,6 @@ measured on) and conversations assembled from ``../shared/corpus`` clips of diff
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import Any
 
 import numpy as np
@@ -21,7 +20,7 @@ from app.speakers.models import SpeakerModels
 from app.speakers.report import SpeakerTurns, count_report
 from models.provision import default_cache_dir
 from models.registry import SPEAKERS_MODEL, VERIFIED_MARKER
-from tests.conftest import CORPUS as MAIN_CORPUS
+from tests.conftest import corpus_clips
 from tests.test_speakers import BOUND, CORPUS, corpus_item, der_module, need
 
 pytestmark = pytest.mark.model
@@ -60,10 +59,8 @@ def recording(uri: str, start: float, end: float) -> tuple[np.ndarray, list[Any]
 def clip(clip_id: str) -> np.ndarray:
     from app.audio import decode
 
-    manifest = MAIN_CORPUS / "manifest.jsonl"
-    need(manifest.is_file(), f"corpus not found at {MAIN_CORPUS}")
-    files = {d["id"]: d["file"] for d in map(json.loads, manifest.read_text().splitlines())}
-    x = decode(MAIN_CORPUS / files[clip_id], 3600)
+    path = {c.id: c.path for c in corpus_clips()}[clip_id]
+    x = decode(path, 3600)
     return x / max(float(np.abs(x).max()), 1e-6) * 0.5
 
 

@@ -18,8 +18,8 @@ from app.results.formats import CueOptions, render
 from app.results.openai import diarized_json, speaker_letter
 from app.results.transcript import transcript
 from app.windows import SAMPLE_RATE, Window, WindowResult, Word
-from loadtest.common import write_wav16
-from tests.conftest import Clip
+from loadtest.lib.common import write_wav16
+from loadtest.lib.corpus import Clip
 
 
 def named(*segments: tuple[float, float, str, str | None]) -> dict[str, Any]:

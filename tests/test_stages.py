@@ -13,7 +13,7 @@ from app.audio.vad import SileroVad
 from app.engine.whisper import WhisperEngine
 from app.errors import ShuttingDown
 from app.windows import DecodeOptions, Encoded, Prompt, Window
-from tests.conftest import Clip
+from loadtest.lib.corpus import Clip
 from tests.fakes import BOUND, FakeStagedEngine, Rig, Rigs, gather, tag_of, tagged_window
 
 EN = DecodeOptions()

@@ -15,7 +15,7 @@ import httpx
 import pytest
 
 from app.jobs.webhooks import key_secret, verify
-from tests.conftest import Clip
+from loadtest.lib.corpus import Clip
 from tests.helpers import bearer, fake_service, sha
 from tests.test_webhooks import Hit, Receiver
 

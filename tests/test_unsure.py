@@ -16,7 +16,6 @@ transcribes unsure, and transcribing them all cost 26 of the module's ~110 CPU-s
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 
@@ -28,9 +27,9 @@ from app.config import ModelSettings, Settings
 from app.engine.decoding import degenerate, unsure
 from app.engine.whisper import WhisperEngine
 from app.windows import DecodeOptions, Prompt, Task, Window, WindowResult
+from loadtest.lib.corpus import READ_SPEECH, Clip
 from models.registry import resolve
-from tests.conftest import READ_SPEECH, Clip
-from tests.test_language import MULTI, multilingual
+from tests.conftest import multilingual_clips
 
 pytestmark = pytest.mark.model
 
@@ -54,7 +53,7 @@ def engines() -> Iterator[dict[str, WhisperEngine]]:
 
 
 def window(clip_id: str, language: str) -> Window:
-    path = {i: p for i, p, _ in multilingual()}[clip_id]
+    path = {c.id: c.path for c in multilingual_clips()}[clip_id]
     w = prepare(path, SileroVad(), 3600)[1][0]
     w.prompt = Prompt(language=language)
     return w
@@ -66,10 +65,10 @@ def corpus_windows() -> list[tuple[str, Window]]:
     # Every other clip of the 36, still each of the 11 languages' sets in turn: half the engine
     # time (this module's set-up was the suite's slowest), and still ~10 windows translate
     # unsure at beam 1 (21 of 36 measured on all of them) where the tests need 3.
-    for clip_id, path, language in multilingual()[::2]:
-        for w in prepare(path, SileroVad(), 3600)[1]:
-            w.prompt = Prompt(language=language)
-            out.append((clip_id, w))
+    for c in multilingual_clips()[::2]:
+        for w in prepare(c.path, SileroVad(), 3600)[1]:
+            w.prompt = Prompt(language=c.language)
+            out.append((c.id, w))
     return out
 
 
@@ -135,9 +134,8 @@ def test_both_axes_read_an_unsure_window_alike(found: dict[str, list[Subject]]) 
 
 def companions() -> list[Window]:
     """Three other windows of other languages to share the batch (French, German, Italian)."""
-    rows = {json.loads(line)["id"]: json.loads(line)
-            for line in (MULTI / "manifest.jsonl").read_text().splitlines() if line.strip()}
-    return [window(i, rows[i]["language"])
+    languages = {c.id: c.language or "" for c in multilingual_clips()}
+    return [window(i, languages[i])
             for i in ("fleurs-fr-cuttledoc-005", "fleurs-de-cuttledoc-008",
                       "picovoice-it-leopard-test_it")]
 

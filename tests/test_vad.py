@@ -12,7 +12,7 @@ from app.audio import decode
 from app.audio.spans import speech_spans
 from app.audio.vad import BLOCK, CHUNK, SileroVad
 from app.windows import SPEECH_PAD_S
-from tests.conftest import Clip
+from loadtest.lib.corpus import Clip
 
 
 def faster_whisper_spans(audio: np.ndarray,

@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 import srt
 
-from tests.conftest import READ_SPEECH, Clip, Server
+from loadtest.lib.corpus import READ_SPEECH, Clip
+from tests.conftest import Server
 from tests.wer import wer
 
 pytestmark = pytest.mark.model

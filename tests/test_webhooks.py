@@ -25,7 +25,8 @@ from app.errors import BadRequest
 from app.jobs.store import JobStore
 from app.jobs.webhooks import WebhookDispatcher, check_callback_url, sign, verify
 from app.net.outbound import OutboundGuard
-from tests.conftest import READ_SPEECH, Clip, Server
+from loadtest.lib.corpus import READ_SPEECH, Clip
+from tests.conftest import Server
 from tests.test_outbound import PUBLIC, stub
 
 SECRET = "test-webhook-secret"

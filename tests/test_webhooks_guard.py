@@ -19,8 +19,9 @@ from app.config import OutboundSettings, WebhookSettings
 from app.jobs.store import JobStore
 from app.jobs.webhooks import WebhookDispatcher, check_callback_url
 from app.net.outbound import OutboundGuard
-from loadtest.common import proc_status_kb
-from tests.conftest import READ_SPEECH, Clip, Server
+from loadtest.lib.common import proc_status_kb
+from loadtest.lib.corpus import READ_SPEECH, Clip
+from tests.conftest import Server
 from tests.test_outbound import PUBLIC, stub
 from tests.test_webhooks import SECRET, Receiver, new_job, until, wait_webhook
 

@@ -20,7 +20,8 @@ from app.engine.whisper import WhisperEngine
 from app.engine.words import align
 from app.metrics import Metrics
 from app.windows import N_SAMPLES, DecodeOptions, Prompt
-from tests.conftest import READ_SPEECH, Clip, Server
+from loadtest.lib.corpus import READ_SPEECH, Clip
+from tests.conftest import Server
 from tests.fakes import FakeEngine, tagged_window
 from tests.helpers import openai_client
 from tests.wer import normalise

@@ -1,26 +1,39 @@
-"""The project's one scorer: WER (or CER) with a Whisper-style normaliser, named in every result.
+"""The project's one scorer: WER (or CER) with a named normaliser, and chrF/BLEU for
+translations.
 
-Used by ``batchscribe dataset`` (per utterance and over a manifest), the benchmarks
-(loadtest.scoring) and the tests (tests/wer.py), so a WER means the same thing everywhere.
-Light: jiwer and the normalisers are imported on first use, nothing of the service is.
+Used by ``batchscribe dataset`` (per utterance and over a manifest), the benchmarks (loadtest:
+WER by corpus set, the multilingual harness's per-language tables) and the tests (tests/wer.py),
+so a WER means the same thing everywhere. Light: jiwer, the normalisers and sacrebleu are
+imported on first use, nothing of the service is.
 
 * English: whisper_normalizer's ``EnglishTextNormalizer`` (Whisper's own: lower case, no
   punctuation, numbers and spellings made consistent), after stripping ``[..]`` / ``<..>``
   markup (MFA references carry ``[adif]``, ``<VOCNOISE>``).
-* Other languages: Whisper's ``BasicTextNormalizer`` (lower case, no punctuation or symbols).
+* Other languages: the rules of the shared multilingual corpus's README: Unicode NFKC, lower
+  case, every punctuation character (category P*: ``¿ ¡ « » „ “ ” 。 、 ， 「 」``) a space,
+  whitespace collapsed. Accents and other marks are kept (they carry meaning; Whisper's
+  ``BasicTextNormalizer`` blanks every mark, category M, which splits Devanagari or Thai words
+  apart); in Arabic its diacritics (harakat, superscript alef, tatweel) are stripped and the
+  alef forms أ إ آ ٱ unified to ا.
 * Chinese, Japanese, Korean (and Cantonese): CER, not WER: their text has no spaces between
   words, so a "word" would be a whole sentence. Spaces are removed before counting characters.
+* Translations to English: sacrebleu's corpus-level chrF (the primary figure) and BLEU on the
+  raw text (sacrebleu's own tokenisation, case kept).
 """
 
 from __future__ import annotations
 
 import re
+import unicodedata
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 _MARKUP = re.compile(r"\[[^\]]*\]|<[^>]*>")
 CER_LANGUAGES = frozenset({"zh", "ja", "ko", "yue"})
 Normaliser = Callable[[str], str]
+_AR_DIACRITICS = re.compile("[\u0610-\u061a\u064b-\u065f\u0670\u06d6-\u06ed\u0640]")
+_AR_ALEF = str.maketrans({"أ": "ا", "إ": "ا", "آ": "ا", "ٱ": "ا"})
 
 
 def _builtin_normaliser() -> Normaliser:
@@ -38,15 +51,26 @@ def _builtin_normaliser() -> Normaliser:
     return norm
 
 
+def unicode_basic(text: str) -> str:
+    """The non-English rule (module docstring) for every language but Arabic."""
+    text = unicodedata.normalize("NFKC", text).lower()
+    return " ".join("".join(" " if unicodedata.category(ch).startswith("P") else ch
+                            for ch in text).split())
+
+
+def _arabic(text: str) -> str:
+    return " ".join(_AR_DIACRITICS.sub("", unicode_basic(text)).translate(_AR_ALEF).split())
+
+
 def _make(kind: str) -> tuple[str, Normaliser]:
+    if kind == "arabic":
+        return "unicode_basic+arabic", _arabic
+    if kind == "basic":
+        return "unicode_basic", unicode_basic
     try:
-        if kind == "english":
-            from whisper_normalizer.english import EnglishTextNormalizer
+        from whisper_normalizer.english import EnglishTextNormalizer
 
-            return "whisper_normalizer.english", EnglishTextNormalizer()
-        from whisper_normalizer.basic import BasicTextNormalizer
-
-        return "whisper_normalizer.basic", BasicTextNormalizer()
+        return "whisper_normalizer.english", EnglishTextNormalizer()
     except ImportError:
         return "builtin", _builtin_normaliser()
 
@@ -61,8 +85,15 @@ def _norm(kind: str) -> tuple[str, Normaliser]:
 
 
 def kind_of(language: str | None) -> str:
-    """``english`` for en or an unknown language (the corpus and most datasets), else ``basic``."""
-    return "english" if (language or "en").lower() in ("en", "english") else "basic"
+    """``english`` for en or an unknown language (the corpus and most datasets), ``arabic`` for
+    ar, else ``basic``."""
+    lang = (language or "en").lower()
+    return "english" if lang in ("en", "english") else "arabic" if lang == "ar" else "basic"
+
+
+def metric_of(language: str | None) -> str:
+    """``cer`` for zh/ja/ko/yue, else ``wer``."""
+    return "cer" if (language or "").lower() in CER_LANGUAGES else "wer"
 
 
 def normalise(text: str, language: str | None = None) -> str:
@@ -101,26 +132,47 @@ class Score:
         return round(100.0 * (self.errors / self.units), 3)  # jiwer's order of operations
 
 
-def score(reference: str, hypothesis: str, language: str | None) -> Score | None:
-    """The utterance's WER (CER for zh/ja/ko/yue); None when the normalised reference is empty.
+def units(text: str, language: str | None, metric: str | None = None) -> list[str]:
+    """What ``text`` is scored in: its normalised words, or for ``cer`` (by default zh/ja/ko/yue)
+    its characters, spaces removed."""
+    norm = normalise(text, language)
+    return list(norm.replace(" ", "")) if (metric or metric_of(language)) == "cer" else norm.split()
+
+
+def score(reference: str, hypothesis: str, language: str | None,
+          metric: str | None = None) -> Score | None:
+    """The utterance's WER (CER for zh/ja/ko/yue, or as ``metric`` says); None when the
+    normalised reference is empty.
 
     For English this is exactly :func:`wer_percent` of the one pair."""
     import jiwer
 
     lang = (language or "").lower()
-    ref, hyp = normalise(reference, lang), normalise(hypothesis, lang)
-    name = normaliser_name(lang)
-    if lang in CER_LANGUAGES:
-        ref, hyp = ref.replace(" ", ""), hyp.replace(" ", "")
-        if not ref:
-            return None
-        chars = jiwer.process_characters(ref, hyp)
-        return Score("cer", chars.substitutions + chars.deletions + chars.insertions, len(ref), name)
+    metric = metric or metric_of(lang)
+    ref, hyp = units(reference, lang, metric), units(hypothesis, lang, metric)
     if not ref:
         return None
-    words = jiwer.process_words(ref, hyp)
-    return Score("wer", words.substitutions + words.deletions + words.insertions,
-                 len(ref.split()), name)
+    name = normaliser_name(lang)
+    if metric == "cer":
+        chars = jiwer.process_characters("".join(ref), "".join(hyp))
+        return Score("cer", chars.substitutions + chars.deletions + chars.insertions, len(ref), name)
+    words = jiwer.process_words(" ".join(ref), " ".join(hyp))
+    return Score("wer", words.substitutions + words.deletions + words.insertions, len(ref), name)
+
+
+def translation_scores(references: Sequence[str], hypotheses: Sequence[str]) -> dict[str, Any]:
+    """Translations against one reference each: corpus chrF and BLEU (None for none), and each
+    pair's sentence chrF. Needs sacrebleu (the test extras)."""
+    import sacrebleu
+
+    if not references:
+        return {"clips": 0, "chrf": None, "bleu": None, "per_clip_chrf": []}
+    hyps = [h.strip() for h in hypotheses]
+    refs = [list(references)]
+    return {"clips": len(hyps), "chrf": round(sacrebleu.corpus_chrf(hyps, refs).score, 2),
+            "bleu": round(sacrebleu.corpus_bleu(hyps, refs).score, 2),
+            "per_clip_chrf": [round(sacrebleu.sentence_chrf(h, [r]).score, 1)
+                              for h, r in zip(hyps, references, strict=True)]}
 
 
 @dataclass

@@ -1,5 +1,5 @@
 """The multilingual harness's controls and comparison (``loadtest.multilingual``,
-``loadtest.mlscore``): the controls change audio by what they say and nothing more, and the
+``loadtest.lib.mlresults``): the controls change audio by what they say and nothing more, and the
 comparison names the languages a system trails in; the copies of ``--variants`` are the clip
 changed by what they say, and a language is scored over all versions of its clips. The harness
 itself runs the real model (``python -m loadtest.multilingual``); these check the pieces its
@@ -13,9 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
-from loadtest import mlvariants
-from loadtest.mlscore import MClip, against
-from loadtest.mlvariants import dither, shift, write_pcm16
+from loadtest.lib import mlvariants
+from loadtest.lib.corpus import Clip
+from loadtest.lib.mlresults import against
+from loadtest.lib.mlvariants import dither, shift, write_pcm16
 
 LSB = 1 / 32768
 
@@ -60,10 +61,10 @@ def test_against_names_the_languages_a_system_trails_and_leads_in() -> None:
 
 
 def clip(tmp_path: Path, clip_id: str = "x-fr-1", language: str = "fr",
-         reference: str = "les deux autres sont situés au bord de la mer jaune") -> MClip:
+         reference: str = "les deux autres sont situés au bord de la mer jaune") -> Clip:
     path = tmp_path / f"{clip_id}.wav"
     write_pcm16(path, audio())
-    return MClip(clip_id, str(path), 1.0, language, reference, None, "test")
+    return Clip(clip_id, path, 1.0, reference, "test", language=language)
 
 
 def test_copies_are_the_clip_k_ms_later_and_dithered_as_16_bit_files(tmp_path: Path) -> None:
@@ -72,15 +73,15 @@ def test_copies_are_the_clip_k_ms_later_and_dithered_as_16_bit_files(tmp_path: P
     c = clip(tmp_path)
     out = mlvariants.copies([c], 4, tmp_path)
     assert [v.id for v in out] == ["x-fr-1~1", "x-fr-1~2", "x-fr-1~3"]
-    original = decode_audio(c.path)
+    original = decode_audio(str(c.path))
     for k, v in enumerate(out, start=1):
-        got = decode_audio(v.path)  # what a client uploads and both systems read
+        got = decode_audio(str(v.path))  # what a client uploads and both systems read
         assert len(got) == len(original) + 16 * k and not got[:16 * k].any()
         assert np.array_equal(got, shift(dither(original, seed=k), ms=k))
         assert np.abs(got[16 * k:].astype(np.float64) - original).max() <= LSB * 1.001
         assert v.language == c.language and v.reference == c.reference
         assert v.duration_s == round(len(got) / 16000, 3)
-    assert not np.array_equal(decode_audio(out[0].path)[16:], decode_audio(out[1].path)[32:])
+    assert not np.array_equal(decode_audio(str(out[0].path))[16:], decode_audio(str(out[1].path))[32:])
 
 
 def test_a_language_is_scored_over_every_version_of_its_clips(tmp_path: Path) -> None:

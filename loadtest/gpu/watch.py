@@ -19,7 +19,7 @@ import threading
 import time
 from typing import Any
 
-from loadtest.service import Client
+from loadtest.lib.service import Client
 
 
 class NvmlSampler:

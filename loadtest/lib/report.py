@@ -12,9 +12,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import READ_SPEECH, SHORT_CLIP_S, Clip, layout_name
-from loadtest.report_traffic import analyse_traffic, render_traffic
-from loadtest.scoring import latency_summary, normaliser_name, wer_by_group
+from app.client.scoring import normaliser_name
+from loadtest.lib.common import layout_name
+from loadtest.lib.corpus import READ_SPEECH, SHORT_CLIP_S, Clip
+from loadtest.lib.report_traffic import analyse_traffic, render_traffic
+from loadtest.lib.stats import latency_summary, wer_by_group
 
 START_MARK, END_MARK = "<!-- bench:start -->", "<!-- bench:end -->"
 TARGETS = {"a": 2.0, "b": 3.5, "c": 1.4, "engine": 0.9, "wer_points": 0.3}

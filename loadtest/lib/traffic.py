@@ -17,17 +17,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import Clip, proc_status_kb
-from loadtest.scoring import latency_summary
-from loadtest.service import (
-    TERMINAL,
-    Client,
-    Cycle,
-    Result,
-    Server,
-    histogram_delta,
-    sequential,
-)
+from loadtest.lib.common import proc_status_kb
+from loadtest.lib.corpus import Clip
+from loadtest.lib.service import TERMINAL, Client, Cycle, Result, Server, histogram_delta, sequential
+from loadtest.lib.stats import latency_summary
 
 POLL_S = 0.25
 
@@ -136,7 +129,7 @@ def write_long_flac(clips: Sequence[Clip], path: Path, min_s: float, gap_s: floa
     from app.audio import decode
     from app.windows import SAMPLE_RATE
 
-    decoded = [decode(Path(c.path), 4 * 3600.0) for c in sorted(clips, key=lambda c: c.id)]
+    decoded = [decode(c.path, 4 * 3600.0) for c in sorted(clips, key=lambda c: c.id)]
     gap = np.zeros(int(gap_s * SAMPLE_RATE), np.float32)
     total = 0
     with av.open(str(path), "w", format="flac") as out:

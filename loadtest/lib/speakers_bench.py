@@ -18,10 +18,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import ROOT, Clip
-from loadtest.probes import histogram_delta
-from loadtest.report import log
-from loadtest.service import Client, closed_loop
+from loadtest.lib.common import ROOT
+from loadtest.lib.corpus import Clip
+from loadtest.lib.probes import histogram_delta
+from loadtest.lib.report import log
+from loadtest.lib.service import Client, closed_loop
 
 DIARIZATION_CORPUS = Path(os.environ.get("BATCHSCRIBE_DIARIZATION_CORPUS",
                                          ROOT.parent / "shared" / "corpus-diarization"))
@@ -33,7 +34,7 @@ def workload(clips: list[Clip], corpus: Path = DIARIZATION_CORPUS) -> list[Clip]
     if not manifest.is_file():
         raise SystemExit(f"no diarization corpus at {corpus} (--diarization-corpus, "
                          "or BATCHSCRIBE_DIARIZATION_CORPUS)")
-    meetings = [Clip(m["id"], str(corpus / m["file"]), float(m["duration_s"]), "", "diarization")
+    meetings = [Clip(m["id"], corpus / m["file"], float(m["duration_s"]), "", "diarization")
                 for m in map(json.loads, manifest.read_text().splitlines()) if m]
     return meetings + [c for c in clips if c.duration_s >= MIN_CLIP_S]
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from loadtest.common import SHORT_CLIP_S, load_corpus
+from loadtest.lib.corpus import SHORT_CLIP_S, load_corpus
 
 
 def engine_costs(model: str, threads: int = 1) -> list[dict[str, Any]]:
@@ -17,7 +17,7 @@ def engine_costs(model: str, threads: int = 1) -> list[dict[str, Any]]:
     from app.config import ModelSettings
     from app.engine.whisper import WhisperEngine
     from app.windows import DecodeOptions
-    from loadtest.common import cut_corpus, resolve_model
+    from loadtest.lib.common import cut_corpus, resolve_model
 
     clips = [c for c in load_corpus() if c.duration_s <= SHORT_CLIP_S]
     engine = WhisperEngine(resolve_model(model), ModelSettings(

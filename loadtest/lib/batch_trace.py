@@ -1,6 +1,6 @@
 """A trace of the batcher's decisions, from inside a real server, for ``loadtest.stall``.
 
-Started as the server's entry point (``python -c "import loadtest.batch_trace as t; t.main()"``
+Started as the server's entry point (``python -c "import loadtest.lib.batch_trace as t; t.main()"``
 with ``BATCHSCRIBE_BATCH_TRACE=<path>``): it wraps :meth:`Batcher.submit` and
 :meth:`Batcher._engine` (one engine call; no service file changes) and writes one JSON line per call, stamped
 with ``time.monotonic()`` (CLOCK_MONOTONIC: the same clock as the load generator's on this host,

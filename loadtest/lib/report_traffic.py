@@ -7,8 +7,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from loadtest.common import READ_SPEECH, Clip
-from loadtest.scoring import wer_percent
+from app.client.scoring import wer_percent
+from loadtest.lib.corpus import READ_SPEECH, Clip
 
 TARGETS = {"no_language": 0.9, "long_alone": 0.8, "rss_growth_mb": 500.0, "wer_points": 0.3}
 Check = Callable[..., None]

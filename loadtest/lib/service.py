@@ -20,19 +20,17 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.common import (
-    ROOT,
-    SHORT_CLIP_S,
-    Clip,
-    child_env,
-    free_port,
-    proc_status_kb,
-    replay_order,
-    wait_up,
-    write_wav16,
+from loadtest.lib.common import ROOT, child_env, free_port, proc_status_kb, wait_up, write_wav16
+from loadtest.lib.corpus import SHORT_CLIP_S, Clip, replay_order
+from loadtest.lib.probes import (
+    counter_delta,
+    cpu_seconds,
+    cpu_split,
+    histogram_delta,
+    parse_metrics,
+    thread_cpu,
 )
-from loadtest.probes import counter_delta, cpu_seconds, cpu_split, histogram_delta, parse_metrics, thread_cpu
-from loadtest.scoring import latency_summary
+from loadtest.lib.stats import latency_summary
 
 TERMINAL = ("done", "failed", "cancelled")
 
@@ -113,15 +111,16 @@ class Result:
 
 class Client:
     """The load generator's HTTP side, on aiohttp: ~0.4 ms of CPU per request against ~1.5 ms
-    with httpx (measured against the null-engine server of ``loadtest.overhead``), CPU that the
-    server it measures would otherwise lose. Create it inside the running event loop."""
+    with httpx (measured against a null-engine server, the former ``loadtest/overhead.py``: git
+    history), CPU that the server it measures would otherwise lose. Create it
+    inside the running event loop."""
 
     def __init__(self, url: str, clips: Sequence[Clip], language: str | None,
                  timeout: float = 900.0, fields: dict[str, str] | None = None) -> None:
         self.url = url
         self.language = language
         self.fields = fields or {}  # more form fields on every upload, e.g. diarize=true
-        self.blobs = {c.id: Path(c.path).read_bytes() for c in clips}
+        self.blobs = {c.id: c.path.read_bytes() for c in clips}
         self.http = aiohttp.ClientSession(
             url, connector=aiohttp.TCPConnector(limit=256),
             timeout=aiohttp.ClientTimeout(total=timeout))
@@ -140,7 +139,7 @@ class Client:
 
     async def transcribe(self, clip: Clip) -> Result:
         """One synchronous request (``?wait=true``): upload to finished transcript."""
-        form = self._form(Path(clip.path).name, self.blobs[clip.id])
+        form = self._form(clip.path.name, self.blobs[clip.id])
         sent = time.monotonic()
         try:
             async with self.http.post("/transcribe", params={"wait": "true"}, data=form) as r:
@@ -289,7 +288,7 @@ def write_long_wav(clips: Sequence[Clip], path: Path, min_s: float, gap_s: float
     gap = np.zeros(int(gap_s * SAMPLE_RATE), np.float32)
     parts: list[np.ndarray] = []
     total = 0
-    decoded = [decode(Path(c.path), 4 * 3600.0) for c in sorted(clips, key=lambda c: c.id)]
+    decoded = [decode(c.path, 4 * 3600.0) for c in sorted(clips, key=lambda c: c.id)]
     while total < min_s * SAMPLE_RATE:
         for a in decoded:
             parts += [a, gap]

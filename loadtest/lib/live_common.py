@@ -46,13 +46,13 @@ import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from loadtest.common import Clip, load_corpus
-from loadtest.scoring import latency_summary, wer_percent
+from app.client.scoring import wer_percent
+from loadtest.lib.corpus import Clip, load_corpus
+from loadtest.lib.stats import latency_summary
 
 RATE = 16_000
 CHUNK_S = 0.1
@@ -174,7 +174,7 @@ def build_stream(clips: Sequence[Clip], seconds: float, seed: int, tail_s: float
         if cache is not None and c.id in cache:
             a = cache[c.id]
         else:
-            a = decode(Path(c.path), 60.0)
+            a = decode(c.path, 60.0)
             if cache is not None:
                 cache[c.id] = a
         at = pos / RATE
@@ -301,8 +301,8 @@ def wer_by_set(streams: Sequence[Stream], outcomes: Sequence[Outcome], batch: di
     """Live against batch WER (as :func:`wer_by_turns`, every utterance: one no turn covered
     reads as nothing) on the corpus's read speech and on its other sets, as the corpus README
     asks (the other sets are its hard cases: fillers, whisper, falsetto, creaky voice, children)
-    and as loadtest/scoring.py :func:`~loadtest.scoring.wer_by_group` reports uploads."""
-    from loadtest.common import READ_SPEECH
+    and as loadtest/lib/stats.py :func:`~loadtest.lib.stats.wer_by_group` reports uploads."""
+    from loadtest.lib.corpus import READ_SPEECH
 
     rows: dict[str, list[tuple[str, str, str]]] = {"read_speech": [], "other_sets": []}
     for s, o in zip(streams, outcomes, strict=True):

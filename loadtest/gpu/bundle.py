@@ -22,9 +22,9 @@ the cuBLAS route: CTranslate2's wheel dlopens ``libcublas.so.12`` (its CUDA runt
 static), and ``<stage>/lib`` gets a ``libcublas.so.12`` link to the host's cuBLAS when the host
 has only a newer one (``--cublas``).
 
-    python -m loadtest.gpu_bundle pack --out .gpu          # here
-    python3 -m loadtest.gpu_bundle unpack --bundle .gpu    # there, after each call's part
-    eval "$(python3 -m loadtest.gpu_bundle env --bundle .gpu)"
+    python -m loadtest.gpu.bundle pack --out .gpu          # here
+    python3 -m loadtest.gpu.bundle unpack --bundle .gpu    # there, after each call's part
+    eval "$(python3 -m loadtest.gpu.bundle env --bundle .gpu)"
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ import sys
 from importlib import metadata
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 # What the service, the client side of gpu-check and their imports need beyond the GPU image
 # (its package list: /work/.library/device/KINDS.md), found by importing the running service
 # and listing sys.modules' distributions.

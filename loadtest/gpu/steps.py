@@ -1,9 +1,9 @@
-"""The steps of ``scripts/gpu-check`` (loadtest/gpu_check.py runs them in order and records each).
+"""The steps of ``scripts/gpu-check`` (loadtest/gpu/check.py runs them in order and records each).
 
 Traffic against the running service (:func:`measured` wraps each step: throughput, WER,
 latency, batches, GPU utilisation), the live sessions, and the measurements made with the
 service stopped: the engine alone on a step's own windows, the bare encoder, the peer
-(loadtest/gpu_peer.py) and the time axes (loadtest/dynamic_axis.py), each in a child process.
+(loadtest/gpu/peer.py) and the time axes (loadtest/dynamic_axis.py), each in a child process.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import ROOT, Clip, save_clips, write_wav16
-from loadtest.gpu_watch import MetricsSampler, NvmlSampler
-from loadtest.probes import counter_delta, histogram_delta
-from loadtest.scoring import latency_summary, wer_by_group, wer_percent
-from loadtest.service import Client, Result, Server, all_at_once
+from app.client.scoring import wer_percent
+from loadtest.gpu.watch import MetricsSampler, NvmlSampler
+from loadtest.lib.common import ROOT, write_wav16
+from loadtest.lib.corpus import Clip, save_clips
+from loadtest.lib.probes import counter_delta, histogram_delta
+from loadtest.lib.service import Client, Result, Server, all_at_once
+from loadtest.lib.stats import latency_summary, wer_by_group
 
 Traffic = Callable[[Client], Awaitable[list[Result]]]
 
@@ -38,7 +40,7 @@ def write_upload(clips: list[Clip], path: Path, minutes: float, gap_s: float = 0
 
     gap = np.zeros(int(gap_s * SAMPLE_RATE), np.float32)
     ordered = sorted(clips, key=lambda c: c.id)
-    decoded = {c.id: decode(Path(c.path), 4 * 3600.0) for c in ordered}
+    decoded = {c.id: decode(c.path, 4 * 3600.0) for c in ordered}
     parts: list[np.ndarray] = []
     refs: list[str] = []
     total = 0
@@ -50,7 +52,7 @@ def write_upload(clips: list[Clip], path: Path, minutes: float, gap_s: float = 0
             if total >= minutes * 60 * SAMPLE_RATE:
                 break
     seconds = write_wav16(path, np.concatenate(parts), SAMPLE_RATE)
-    return Clip(name, str(path), seconds, " ".join(refs), "long")
+    return Clip(name, path, seconds, " ".join(refs), "long")
 
 
 # ---- one step's traffic ----------------------------------------------------------------------
@@ -99,7 +101,7 @@ def corpus(clips: list[Clip], concurrency: int) -> Traffic:
 
 def long_and(long: Clip, clips: list[Clip], concurrency: int) -> Traffic:
     async def run(client: Client) -> list[Result]:
-        client.blobs[long.id] = Path(long.path).read_bytes()
+        client.blobs[long.id] = long.path.read_bytes()
         first = asyncio.create_task(client.transcribe(long))
         await asyncio.sleep(1.0)  # the long upload's windows are queued first
         rest = await all_at_once(client, clips, concurrency) if clips else []
@@ -123,7 +125,7 @@ def many_long(long: Clip, n: int) -> Traffic:
             await asyncio.sleep(wait)
 
     async def run(client: Client) -> list[Result]:
-        blob = Path(long.path).read_bytes()
+        blob = long.path.read_bytes()
         copies = [Clip(f"{long.id}-{k}", long.path, long.duration_s, long.reference, "long")
                   for k in range(n)]
         for c in copies:
@@ -139,8 +141,8 @@ async def live_sessions(srv: Server, clips: list[Clip], n: int, seconds: float,
     real-time pace (loadtest/live.py's sessions and scoring: server VAD 500 ms, language en),
     started ``min(0.2, 5 / n)`` s apart: turn latency from each utterance's last chunk, every
     turn completed or not."""
+    from loadtest.lib.live_common import build_stream, live_clips, score
     from loadtest.live import one_session
-    from loadtest.live_common import build_stream, live_clips, score
 
     pool = live_clips(clips)
     cache: dict[str, Any] = {}
@@ -197,7 +199,7 @@ def bare_encode(args: argparse.Namespace, compute_type: str) -> dict[str, Any]:
         runs.append(("flash_attention", ["--batches", "64", "--flash-attention"]))
     out: dict[str, Any] = {}
     for name, extra in runs:
-        got = child(["loadtest.gpu_bare", "--model", args.model_dir, "--device", args.device,
+        got = child(["loadtest.gpu.bare", "--model", args.model_dir, "--device", args.device,
                      "--compute-type", compute_type, "--corpus", str(args.corpus), "--reps",
                      "5" if gpu else "2", *extra], timeout=300)
         line = [x for x in got.stdout.splitlines() if x.startswith("RESULT ")]
@@ -208,18 +210,18 @@ def bare_encode(args: argparse.Namespace, compute_type: str) -> dict[str, Any]:
 
 def peer(args: argparse.Namespace, upload: Clip, copies: int, compute_type: str) -> dict[str, Any]:
     """faster-whisper's BatchedInferencePipeline on the saturate step's files, one after
-    another (loadtest/gpu_peer.py); the service's saturate figures beside it."""
+    another (loadtest/gpu/peer.py); the service's saturate figures beside it."""
     files = []
     for k in range(copies):  # the same bytes under as many names, as the step posted them
         f = args.work / f"peer-{k}.wav"
         if not f.exists():
-            f.symlink_to(Path(upload.path).resolve())
+            f.symlink_to(upload.path.resolve())
         files.append(str(f))
     refs = args.work / "peer-refs.json"
     refs.write_text(json.dumps([upload.reference] * copies))
     out = args.work / "peer.json"
     out.unlink(missing_ok=True)
-    got = child(["loadtest.gpu_peer", "--model", args.model_dir, "--device", args.device,
+    got = child(["loadtest.gpu.peer", "--model", args.model_dir, "--device", args.device,
                  "--compute-type", compute_type, "--files", ",".join(files), "--references",
                  str(refs), "--sweep", args.peer_sweep, "--out", str(out)], timeout=900)
     if not out.exists():

@@ -24,8 +24,8 @@ from typing import Any
 
 import httpx
 
-from loadtest.common import write_wav16
-from loadtest.service import Server
+from loadtest.lib.common import write_wav16
+from loadtest.lib.service import Server
 
 SAMPLE_RATE = 16_000
 TIMEOUT_S = 900.0

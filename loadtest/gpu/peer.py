@@ -1,6 +1,6 @@
 """The peer users pick instead, side by side: faster-whisper's ``BatchedInferencePipeline``.
 
-    python -m loadtest.gpu_peer --model DIR --device cuda --compute-type float16 \\
+    python -m loadtest.gpu.peer --model DIR --device cuda --compute-type float16 \\
         --files a.wav,b.wav,... --references refs.json --out peer.json
 
 As its users run it: one ``WhisperModel`` (the same model folder and compute type as the
@@ -38,7 +38,7 @@ def transcribe_files(pipeline: Any, files: list[Path], batch: int,
 
 def one_pass(pipeline: Any, files: list[Path], refs: list[str] | None, batch: int,
              options: dict[str, Any], label: str) -> dict[str, Any]:
-    from loadtest.scoring import wer_percent
+    from app.client.scoring import wer_percent
 
     texts, wall, audio = transcribe_files(pipeline, files, batch, options)
     out: dict[str, Any] = {"label": label, "batch": batch, "files": len(files),
@@ -51,7 +51,7 @@ def one_pass(pipeline: Any, files: list[Path], refs: list[str] | None, batch: in
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m loadtest.gpu_peer", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m loadtest.gpu.peer", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="a CTranslate2 Whisper folder")
     p.add_argument("--device", default="cuda")

@@ -1,6 +1,6 @@
 """Bare CTranslate2 encode, no service: the encoder's own rate at two time axes.
 
-Run as a child of ``loadtest.gpu_check`` (its CUDA context and memory end with it, so the
+Run as a child of ``loadtest.gpu.check`` (its CUDA context and memory end with it, so the
 service started after it sizes against a clean device). Features are the corpus's own speech
 (log-mel of its clips, cycled), padded to Whisper's 30 s and to 10 s (the dynamic axis's class
 for a short clip); each batch size is warmed once, then timed over ``--reps`` calls.
@@ -17,7 +17,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import load_corpus
+from loadtest.lib.corpus import load_corpus
 
 
 def run(model: str, device: str, compute_type: str, corpus: Path, batches: list[int],
@@ -27,10 +27,10 @@ def run(model: str, device: str, compute_type: str, corpus: Path, batches: list[
     from app.audio import decode
     from app.engine.gpumem import pool_meter
     from app.engine.mel import encoder_input
-    from loadtest.common import proc_status_kb
+    from loadtest.lib.common import proc_status_kb
 
     clips = sorted(load_corpus(corpus), key=lambda c: c.id)[:32]
-    audio = [decode(Path(c.path), 3600.0) for c in clips]
+    audio = [decode(c.path, 3600.0) for c in clips]
     threads = {"intra_threads": 1, "inter_threads": 1} if device == "cpu" else {}
     t0 = time.monotonic()
     whisper = ctranslate2.models.Whisper(model, device=device, compute_type=compute_type,

@@ -9,8 +9,8 @@ import os
 from pathlib import Path
 from typing import Any
 
-from loadtest.common import child_env, cpu_count, layout_name, parse_layout, run_json_subprocess
-from loadtest.report import log
+from loadtest.lib.common import child_env, cpu_count, layout_name, parse_layout, run_json_subprocess
+from loadtest.lib.report import log
 
 
 def parse_engine_configs(spec: str) -> list[tuple[int, int, int, list[int]]]:

@@ -1,7 +1,7 @@
-"""WER by corpus set (the scorer itself is app.client.scoring, shared with ``batchscribe dataset`` and
-the tests), and latency statistics (percentiles, p50/p95/max).
+"""WER by corpus set, on the project's one scorer (app.client.scoring, shared with ``batchscribe
+dataset`` and the tests), and latency statistics (percentiles, p50/p95/max).
 
-Light like loadtest.common: the normaliser and jiwer are imported on first use.
+Light like loadtest.lib.common: the normaliser and jiwer are imported on first use.
 """
 
 from __future__ import annotations
@@ -9,14 +9,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from app.client.scoring import normalise, normaliser_name, wer_percent
-from loadtest.common import READ_SPEECH, Clip
-
-__all__ = ["latency_summary", "normalise", "normaliser_name", "percentile", "wer_by_group",
-           "wer_percent"]
+from app.client.scoring import wer_percent
+from loadtest.lib.corpus import READ_SPEECH, Clip
 
 
-# ---- WER: the project's scorer (app.client.scoring), grouped by corpus set -----------------------------
+# ---- WER by corpus set ---------------------------------------------------------------------------
 def wer_by_group(clips: Sequence[Clip], texts: dict[str, str]) -> dict[str, Any]:
     """WER on read speech (the comparable figure), on the other sets, and overall."""
     groups = {

@@ -1,5 +1,6 @@
-"""Shared pieces of the benchmarks: corpus, windows, memory, machine facts (WER and latency
-statistics are in loadtest.scoring).
+"""Shared pieces of the benchmarks: engine layouts, memory, the environment and machine facts,
+the corpus cut into windows, small I/O (the corpus itself is loadtest.lib.corpus; WER by set and
+latency statistics loadtest.lib.stats).
 
 Kept light on purpose: the orchestrating process (and the HTTP load client) imports this module
 and must not pull in torch or CTranslate2, so it never competes with the server for memory or
@@ -13,78 +14,22 @@ import hashlib
 import json
 import os
 import platform
-import random
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from loadtest.lib.corpus import Clip
+
 if TYPE_CHECKING:
     from app.windows import Window
 
-ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "corpus"))
-READ_SPEECH = ("librispeech", "ljspeech", "librivox")
-SHORT_CLIP_S = 10.0  # "short clips" of the latency targets: <= 10 s
-REPLAY_SEED = 20240603
-
-
-# ---- corpus -----------------------------------------------------------------------------------
-@dataclass(frozen=True)
-class Clip:
-    id: str
-    path: str
-    duration_s: float
-    reference: str
-    set: str
-
-
-def load_corpus(corpus: Path = DEFAULT_CORPUS) -> list[Clip]:
-    manifest = corpus / "manifest.jsonl"
-    if not manifest.is_file():
-        raise SystemExit(f"corpus not found: {manifest} (pass --corpus or set BATCHSCRIBE_CORPUS)")
-    out = []
-    for line in manifest.read_text().splitlines():
-        if line.strip():
-            d = json.loads(line)
-            out.append(Clip(d["id"], str(corpus / d["file"]), float(d["duration_s"]),
-                            d["reference"], d["set"]))
-    return sorted(out, key=lambda c: c.id)
-
-
-def select_clips(clips: Sequence[Clip], limit: int | None = None,
-                 sets: Iterable[str] | None = None) -> list[Clip]:
-    """A deterministic subset: only ``sets`` if given, then ``limit`` clips spread over all sets."""
-    chosen = [c for c in clips if sets is None or c.set in set(sets)]
-    if limit is not None and limit < len(chosen):
-        by_set = sorted(chosen, key=lambda c: (c.set, c.id))
-        step = len(by_set) / limit
-        chosen = [by_set[int(i * step)] for i in range(limit)]
-    return chosen
-
-
-def save_clips(clips: Sequence[Clip], path: Path) -> None:
-    path.write_text(json.dumps([asdict(c) for c in clips], indent=1))
-
-
-def read_clips(path: Path) -> list[Clip]:
-    return [Clip(**d) for d in json.loads(path.read_text())]
-
-
-def replay_order(clips: Sequence[Clip], seed: int = REPLAY_SEED) -> list[Clip]:
-    """The fixed pseudo-random order every phase replays the corpus in (cycled)."""
-    order = list(clips)
-    random.Random(seed).shuffle(order)
-    return order
-
-
-def audio_total(clips: Iterable[Clip]) -> float:
-    return sum(c.duration_s for c in clips)
+ROOT = Path(__file__).resolve().parents[2]
 
 
 # ---- engine layouts ---------------------------------------------------------------------------
@@ -218,7 +163,7 @@ def machine_info() -> dict[str, Any]:
 
 def git_revision() -> str | None:
     """``<short sha>`` or ``<short sha>-dirty``; on a lent GPU host, the revision
-    ``loadtest.gpu_bundle pack`` recorded from the committed tree (the .git that travels there
+    ``loadtest.gpu.bundle pack`` recorded from the committed tree (the .git that travels there
     is the session's first checkout, not the tree that ran: seen on the H200 run)."""
     if os.environ.get("BATCHSCRIBE_GIT_REVISION"):
         return os.environ["BATCHSCRIBE_GIT_REVISION"]
@@ -285,7 +230,7 @@ def cut_corpus(clips: Sequence[Clip], cache_dir: Path | None = None) -> list[Cli
     vad = SileroVad()
     out: list[ClipWindow] = []
     for c in clips:
-        samples = decode(Path(c.path), 4 * 3600.0)
+        samples = decode(c.path, 4 * 3600.0)
         for k, w in enumerate(cut_windows(samples, vad.speech(samples))):
             out.append(ClipWindow(c.id, k, w))
     if cache is not None:

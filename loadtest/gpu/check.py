@@ -29,7 +29,7 @@ this order (``--only`` / ``--skip`` choose):
    the saturate step's windows, as many copies as it posted, and on the long upload's: the
    engine-alone rates those steps are held to; each step then gets ``vs_engine_alone``);
    ``peer``: faster-whisper's BatchedInferencePipeline on the saturate step's files, one after
-   another, batch 16 and its best batch, WER and throughput (loadtest/gpu_peer.py);
+   another, batch 16 and its best batch, WER and throughput (loadtest/gpu/peer.py);
    ``time_axes``: the corpus's WER on the 30 s and the dynamic axis on this device
    (loadtest/dynamic_axis.py).
 
@@ -54,8 +54,8 @@ from typing import Any
 
 import httpx
 
-from loadtest.common import DEFAULT_CORPUS, ROOT, Clip, load_corpus, machine_info, select_clips
-from loadtest.gpu_steps import (
+from app.client.scoring import normaliser_name
+from loadtest.gpu.steps import (
     bare_encode,
     corpus,
     engine_alone,
@@ -67,9 +67,10 @@ from loadtest.gpu_steps import (
     time_axes,
     write_upload,
 )
-from loadtest.gpu_watch import VramHog
-from loadtest.scoring import normaliser_name
-from loadtest.service import Server
+from loadtest.gpu.watch import VramHog
+from loadtest.lib.common import ROOT, machine_info
+from loadtest.lib.corpus import DEFAULT_CORPUS, Clip, load_corpus, select_clips
+from loadtest.lib.service import Server
 
 STEPS = ("corpus_detected", "corpus_en", "forced_oom", "long_alone", "long_beside_short",
          "saturate", "live", "bare_encode", "engine_limit", "engine_limit_saturate",
@@ -262,7 +263,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     from app.config import ModelSettings
     from app.engine.whisper import time_axis
-    from loadtest.common import resolve_model
+    from loadtest.lib.common import resolve_model
 
     args.model_dir = resolve_model(args.model)
     args.time_axis = time_axis(ModelSettings(time_axis=args.time_axis), args.device)

@@ -28,7 +28,9 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.mlscore import MClip, against, error_rates, score, summary, units
+from app.client.scoring import units
+from loadtest.lib.corpus import Clip
+from loadtest.lib.mlresults import against, error_rates, language, score, summary
 
 SEP = "~"  # a copy's id: <clip id>~<k>
 KEYS = ("transcripts", "languages", "translations")
@@ -57,7 +59,7 @@ def write_pcm16(path: Path, audio: np.ndarray, rate: int = 16000) -> None:
         f.writeframes(pcm.tobytes())
 
 
-def copies(clips: Sequence[MClip], n: int, folder: Path) -> list[MClip]:
+def copies(clips: Sequence[Clip], n: int, folder: Path) -> list[Clip]:
     """``n - 1`` changed copies of every clip, written into ``folder`` (the originals not
     included). The samples are faster-whisper's ``decode_audio`` of the clip (16 kHz mono, the
     16-bit values the service decodes too), so the copies differ from it by what they say."""
@@ -65,12 +67,12 @@ def copies(clips: Sequence[MClip], n: int, folder: Path) -> list[MClip]:
 
     out = []
     for c in clips:
-        audio = decode_audio(c.path)
+        audio = decode_audio(str(c.path))
         for k in range(1, n):
             path = folder / f"{c.id}{SEP}{k}.wav"
             x = shift(dither(audio, seed=k), ms=k)
             write_pcm16(path, x)
-            out.append(replace(c, id=f"{c.id}{SEP}{k}", path=str(path),
+            out.append(replace(c, id=f"{c.id}{SEP}{k}", path=path,
                                duration_s=round(len(x) / 16000, 3)))
     return out
 
@@ -84,26 +86,26 @@ def origin(clip_id: str) -> str:
     return clip_id.split(SEP, 1)[0]
 
 
-def per_clip(clips: Sequence[MClip], every: Sequence[MClip], texts: dict[str, str]
+def per_clip(clips: Sequence[Clip], every: Sequence[Clip], texts: dict[str, str]
              ) -> dict[str, dict[str, int]]:
     """Each clip's errors and reference units summed over its versions (its language's
     metric)."""
     out = {}
     for c in clips:
         versions = [v for v in every if origin(v.id) == c.id]
-        lang = error_rates(versions, texts)["all"]["per_language"].get(c.language)
+        lang = error_rates(versions, texts)["all"]["per_language"].get(language(c))
         if lang:
             out[c.id] = {"errors": lang["errors"], "units": lang["units"]}
     return out
 
 
-def _errors(clip: MClip, text: str) -> int:
+def _errors(clip: Clip, text: str) -> int:
     """One decode's errors on its clip (the language's metric)."""
-    lang = error_rates([clip], {clip.id: text})["all"]["per_language"].get(clip.language)
+    lang = error_rates([clip], {clip.id: text})["all"]["per_language"].get(language(clip))
     return int(lang["errors"]) if lang else 0
 
 
-def paired(every: Sequence[MClip], texts: dict[str, str], base: dict[str, str]
+def paired(every: Sequence[Clip], texts: dict[str, str], base: dict[str, str]
            ) -> dict[str, dict[str, Any]]:
     """Per language, each version of each clip as a pair (``texts`` against ``base``): how many
     had more errors, fewer, the same, and a two-sided sign test over the untied pairs.
@@ -116,7 +118,7 @@ def paired(every: Sequence[MClip], texts: dict[str, str], base: dict[str, str]
     counts: dict[str, list[int]] = {}
     for c in every:
         d = _errors(c, texts.get(c.id, "")) - _errors(c, base.get(c.id, ""))
-        row = counts.setdefault(c.language, [0, 0, 0])
+        row = counts.setdefault(language(c), [0, 0, 0])
         row[0 if d > 0 else 1 if d < 0 else 2] += 1
     out = {}
     for lang, (worse, better, same) in sorted(counts.items()):
@@ -135,17 +137,17 @@ def medoid(texts: Sequence[str], language: str) -> str:
     return texts[costs.index(min(costs))]
 
 
-def consensus(clips: Sequence[MClip], every: Sequence[MClip], texts: dict[str, str]
+def consensus(clips: Sequence[Clip], every: Sequence[Clip], texts: dict[str, str]
               ) -> dict[str, Any]:
     """Each clip's medoid transcript over its versions, scored: what averaging out the input's
     noise (test-time augmentation) would buy. A misread that recurs on most versions stays."""
     chosen = {c.id: medoid([texts.get(v.id, "") for v in every if origin(v.id) == c.id],
-                           c.language) for c in clips}
+                           language(c)) for c in clips}
     s = summary(score(clips, {"transcripts": chosen}))
     return {k: s[k] for k in ("mean_err_lang", "mean_err_clip", "per_lang")}
 
 
-def pooled(clips: Sequence[MClip], extra: Sequence[MClip], outs: dict[str, dict[str, Any]],
+def pooled(clips: Sequence[Clip], extra: Sequence[Clip], outs: dict[str, dict[str, Any]],
            more: dict[str, dict[str, Any]], n: int) -> dict[str, Any]:
     """Every system of ``more`` scored over the clips and their copies together."""
     every = [*clips, *extra]
@@ -169,10 +171,10 @@ def pooled(clips: Sequence[MClip], extra: Sequence[MClip], outs: dict[str, dict[
     return result
 
 
-def markdown(v: dict[str, Any], clips: Sequence[MClip]) -> list[str]:
+def markdown(v: dict[str, Any], clips: Sequence[Clip]) -> list[str]:
     names = list(v["systems"])
     summ = {k: s["summary"] for k, s in v["systems"].items()}
-    langs = sorted({c.language for c in clips})
+    langs = sorted({language(c) for c in clips})
     lines = ["", f"Over {v['n']} versions of every clip ({v['decodes_per_system']} decodes per "
              f"system; {v['how']}): error % pooled over a language's clips and versions.", "",
              "| lang | " + " | ".join(names) + " |", "|" + " --- |" * (len(names) + 1)]
@@ -211,8 +213,8 @@ def markdown(v: dict[str, Any], clips: Sequence[MClip]) -> list[str]:
     return lines
 
 
-def _lang(clips: Sequence[MClip], clip_id: str) -> str | None:
-    return next((c.language for c in clips if c.id == clip_id), None)
+def _lang(clips: Sequence[Clip], clip_id: str) -> str | None:
+    return next((language(c) for c in clips if c.id == clip_id), None)
 
 
 def _fmt(x: Any, sign: bool = False) -> str:

@@ -1,6 +1,6 @@
 """The first minute on a GPU host: does CTranslate2 run there, and do the engine's GPU paths?
 
-Run after ``loadtest.gpu_bundle unpack`` with its ``env``; needs only CTranslate2, torch, numpy,
+Run after ``loadtest.gpu.bundle unpack`` with its ``env``; needs only CTranslate2, torch, numpy,
 whisperx's mel filters and the tiny model of part 1 (``GPU_BUNDLE_PROBE``). Records as it goes
 to ``--out`` (JSON, rewritten after every step), so a probe cut short still says how far it got:
 

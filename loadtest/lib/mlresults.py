@@ -1,135 +1,63 @@
-"""Scoring for ``../shared/corpus-multilingual`` (its README's rules) for
-``loadtest.multilingual``.
+"""The multilingual harness's tables (``loadtest.multilingual``) over the project's one scorer
+(app/client/scoring.py: the multilingual corpus README's normalisation, CER for zh/ja/ko).
 
-- Normalisation: Unicode NFKC, lower case, every punctuation character (Unicode category P*,
-  which covers ``¿ ¡ « » „ “ ” 。 、 ， 「 」``) replaced by a space, whitespace collapsed.
-  Accents and diacritics are kept, except in Arabic: its diacritics (harakat, superscript alef,
-  tatweel) are stripped and the alef forms أ إ آ ٱ unified to ا. The stray ``.x`` that ends one
-  FLoRes reference (``fleurs-de-cuttledoc-008``) is removed first.
 - Error rate per clip and per language, pooled over the language's clips (errors / reference
-  units): CER for zh, ja, ko (whitespace removed), WER for the others; both are reported for
+  units): the language's metric (CER for zh, ja, ko; WER for the others) and both WER and CER for
   every language (ar: prefer the CER). The five clips whose references write numbers in a
   different form from Whisper are scored with the others and also left out (``*_no_numbers``).
 - Language identification: the share of clips whose detected language is the manifest's.
-- Translation to English: sacrebleu corpus-level chrF (primary) and BLEU over the clips that have
-  a reference translation, on the raw text (sacrebleu's own tokenisation, case kept).
+- Translation to English: the scorer's chrF (primary) and BLEU over the clips that have a
+  reference translation.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import re
-import unicodedata
 from collections.abc import Sequence
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
+from app.client import scoring
+from loadtest.lib.corpus import Clip
 
-
-def shared(name: str) -> Path:
-    """``../shared/<name>`` from the repository, or from a worktree a level or two deeper."""
-    return next((p / "shared" / name for p in ROOT.parents if (p / "shared" / name).is_dir()),
-                ROOT.parent / "shared" / name)
-
-
-ML_CORPUS = Path(os.environ.get("BATCHSCRIBE_MULTILINGUAL_CORPUS")
-                 or os.environ.get("BATCHSCRIBE_ML_CORPUS") or shared("corpus-multilingual"))
-CER_LANGS = frozenset({"zh", "ja", "ko"})  # the issue's and README's primary metric: CER
 NUMBER_CLIPS = frozenset({  # references write numbers differently from Whisper (README)
     "fleurs-fr-cuttledoc-006", "fleurs-pt-cuttledoc-006", "fleurs-zh-1883",
     "fleurs-zh-1805-1830-concat", "nst-sv-se10x016-08071999-1334_u0016002",
 })
-_AR_DIACRITICS = re.compile("[\u0610-\u061a\u064b-\u065f\u0670\u06d6-\u06ed\u0640]")
-_AR_ALEF = str.maketrans({"أ": "ا", "إ": "ا", "آ": "ا", "ٱ": "ا"})
 
 
-@dataclass(frozen=True)
-class MClip:
-    id: str
-    path: str
-    duration_s: float
-    language: str
-    reference: str
-    translation: str | None  # the published English translation, if any
-    set: str
+def language(clip: Clip) -> str:
+    return clip.language or "en"
 
 
-def load_ml_corpus(corpus: Path = ML_CORPUS) -> list[MClip]:
-    manifest = corpus / "manifest.jsonl"
-    if not manifest.is_file():
-        raise SystemExit(f"corpus not found: {manifest} (set BATCHSCRIBE_MULTILINGUAL_CORPUS)")
-    out = []
-    for line in manifest.read_text().splitlines():
-        if line.strip():
-            d = json.loads(line)
-            out.append(MClip(d["id"], str(corpus / d["file"]), float(d["duration_s"]),
-                             d["language"], d["reference"], d.get("reference_translation_en"),
-                             d["set"]))
-    return sorted(out, key=lambda c: (c.language, c.id))
+def _rate(clips: Sequence[Clip], texts: dict[str, str], metric: str) -> dict[str, Any]:
+    """Errors over reference units (percent, 2 decimals) of ``clips`` in ``metric``."""
+    scores = [s for c in clips
+              if (s := scoring.score(c.reference, texts[c.id], language(c), metric)) is not None]
+    errors, units = sum(s.errors for s in scores), sum(s.units for s in scores)
+    return {"rate": round(100.0 * errors / units, 2) if units else None, "errors": errors,
+            "units": units}
 
 
-def normalise(text: str, language: str) -> str:
-    text = unicodedata.normalize("NFKC", text).lower()
-    if text.endswith(".x"):  # fleurs-de-cuttledoc-008: a stray ".x" from FLoRes
-        text = text[:-1]
-    text = "".join(" " if unicodedata.category(ch).startswith("P") else ch for ch in text)
-    if language == "ar":
-        text = _AR_DIACRITICS.sub("", text).translate(_AR_ALEF)
-    return " ".join(text.split())
+def metric(lang: str) -> str:
+    return scoring.metric_of(lang)
 
 
-def _units(text: str, language: str, chars: bool) -> str:
-    norm = normalise(text, language)
-    return " ".join(norm.replace(" ", "")) if chars else norm
+def clip_rates(clip: Clip, text: str) -> dict[str, Any]:
+    wer = _rate([clip], {clip.id: text}, "wer")
+    cer = _rate([clip], {clip.id: text}, "cer")
+    return {"wer": wer["rate"], "cer": cer["rate"], "primary": metric(language(clip)),
+            "error": cer["rate"] if metric(language(clip)) == "cer" else wer["rate"]}
 
 
-def _rate(refs: Sequence[str], hyps: Sequence[str], language: str, chars: bool) -> dict[str, Any]:
-    """Pooled error rate (percent) and its counts; characters are scored as space-separated
-    units so one jiwer call gives both (whitespace removed, as the README asks for zh/ja)."""
-    import jiwer
-
-    pairs = [(_units(r, language, chars), _units(h, language, chars))
-             for r, h in zip(refs, hyps, strict=True)]
-    pairs = [(r, h) for r, h in pairs if r]
-    if not pairs:
-        return {"rate": None, "errors": 0, "units": 0}
-    o = jiwer.process_words([r for r, _ in pairs], [h for _, h in pairs])
-    errors = o.substitutions + o.deletions + o.insertions
-    units = o.substitutions + o.deletions + o.hits
-    return {"rate": round(100.0 * errors / units, 2), "errors": errors, "units": units}
-
-
-def metric(language: str) -> str:
-    return "cer" if language in CER_LANGS else "wer"
-
-
-def units(text: str, language: str) -> list[str]:
-    """The units a text is scored in: its words, or its characters for zh/ja/ko."""
-    return _units(text, language, metric(language) == "cer").split()
-
-
-def clip_rates(clip: MClip, text: str) -> dict[str, Any]:
-    wer = _rate([clip.reference], [text], clip.language, chars=False)
-    cer = _rate([clip.reference], [text], clip.language, chars=True)
-    return {"wer": wer["rate"], "cer": cer["rate"], "primary": metric(clip.language),
-            "error": cer["rate"] if metric(clip.language) == "cer" else wer["rate"]}
-
-
-def error_rates(clips: Sequence[MClip], texts: dict[str, str]) -> dict[str, Any]:
+def error_rates(clips: Sequence[Clip], texts: dict[str, str]) -> dict[str, Any]:
     """Per language (pooled over its clips), with and without the number clips, and means."""
     out: dict[str, Any] = {}
     for name, keep in (("all", lambda c: True), ("no_numbers", lambda c: c.id not in NUMBER_CLIPS)):
         per: dict[str, Any] = {}
-        for lang in sorted({c.language for c in clips}):
-            cs = [c for c in clips if c.language == lang and c.id in texts and keep(c)]
+        for lang in sorted({language(c) for c in clips}):
+            cs = [c for c in clips if language(c) == lang and c.id in texts and keep(c)]
             if not cs:
                 continue
-            refs, hyps = [c.reference for c in cs], [texts[c.id] for c in cs]
-            wer = _rate(refs, hyps, lang, chars=False)
-            cer = _rate(refs, hyps, lang, chars=True)
+            wer, cer = _rate(cs, texts, "wer"), _rate(cs, texts, "cer")
             per[lang] = {"clips": len(cs), "wer": wer["rate"], "cer": cer["rate"],
                          "metric": metric(lang),
                          "error": cer["rate"] if metric(lang) == "cer" else wer["rate"],
@@ -152,29 +80,24 @@ def _mean(xs: Sequence[float | None]) -> float | None:
     return round(sum(vals) / len(vals), 2) if vals else None
 
 
-def language_accuracy(clips: Sequence[MClip], languages: dict[str, str]) -> dict[str, Any]:
+def language_accuracy(clips: Sequence[Clip], languages: dict[str, str]) -> dict[str, Any]:
     scored = [c for c in clips if c.id in languages]
-    wrong = {c.id: {"expected": c.language, "detected": languages[c.id]}
-             for c in scored if languages[c.id] != c.language}
+    wrong = {c.id: {"expected": language(c), "detected": languages[c.id]}
+             for c in scored if languages[c.id] != language(c)}
     return {"accuracy": round(100.0 * (len(scored) - len(wrong)) / max(1, len(scored)), 2),
             "clips": len(scored), "wrong": wrong}
 
 
-def translation_scores(clips: Sequence[MClip], texts: dict[str, str]) -> dict[str, Any]:
-    import sacrebleu
-
+def translation_scores(clips: Sequence[Clip], texts: dict[str, str]) -> dict[str, Any]:
+    """The scorer's chrF and BLEU over the clips with a reference translation, per clip too."""
     cs = [c for c in clips if c.translation and c.id in texts]
     if not cs:
         return {"clips": 0, "chrf": None, "bleu": None}
-    hyps = [texts[c.id].strip() for c in cs]
-    refs = [[c.translation or "" for c in cs]]
-    return {"clips": len(cs), "chrf": round(sacrebleu.corpus_chrf(hyps, refs).score, 2),
-            "bleu": round(sacrebleu.corpus_bleu(hyps, refs).score, 2),
-            "per_clip_chrf": {c.id: round(sacrebleu.sentence_chrf(h, [c.translation or ""]).score, 1)
-                              for c, h in zip(cs, hyps, strict=True)}}
+    got = scoring.translation_scores([c.translation or "" for c in cs], [texts[c.id] for c in cs])
+    return {**got, "per_clip_chrf": dict(zip([c.id for c in cs], got["per_clip_chrf"], strict=True))}
 
 
-def score(clips: Sequence[MClip], out: dict[str, Any]) -> dict[str, Any]:
+def score(clips: Sequence[Clip], out: dict[str, Any]) -> dict[str, Any]:
     """Scores of one system's output: ``{"transcripts": {id: text}, "languages": {id: code},
     "translations": {id: text}}`` (any may be missing)."""
     s: dict[str, Any] = {}
@@ -199,7 +122,7 @@ def summary(s: dict[str, Any]) -> dict[str, Any]:
             "bleu": t.get("bleu")}
 
 
-def paired_bootstrap(clips: Sequence[MClip], a: dict[str, Any], b: dict[str, Any],
+def paired_bootstrap(clips: Sequence[Clip], a: dict[str, Any], b: dict[str, Any],
                      n: int = 1000, seed: int = 0) -> dict[str, Any]:
     """How sure is "a is at least as good as b"? Clips resampled with replacement ``n`` times:
     corpus chrF of the translations, and the pooled error rate (errors over reference units,
@@ -225,9 +148,8 @@ def paired_bootstrap(clips: Sequence[MClip], a: dict[str, Any], b: dict[str, Any
     if ec:
         counts = {}
         for c in ec:
-            chars = metric(c.language) == "cer"
-            ra = _rate([c.reference], [a["transcripts"][c.id]], c.language, chars)
-            rb = _rate([c.reference], [b["transcripts"][c.id]], c.language, chars)
+            m = metric(language(c))
+            ra, rb = _rate([c], a["transcripts"], m), _rate([c], b["transcripts"], m)
             counts[c.id] = (ra["errors"], rb["errors"], ra["units"])
         deltas = []
         for _ in range(n):
@@ -250,21 +172,21 @@ def _interval(deltas: list[float], higher_is_better: bool) -> dict[str, Any]:
             "share_not_worse": round(ok / len(xs), 3)}
 
 
-def spread(clips: Sequence[MClip], n: int) -> list[MClip]:
+def spread(clips: Sequence[Clip], n: int) -> list[Clip]:
     """``n`` clips spread over the languages (a smoke subset): languages by clip count, taken
     alternately from the most and the least represented end, one clip each per round, clips with
     an English translation first (so a small subset still translates)."""
-    by_lang: dict[str, list[MClip]] = {}
+    by_lang: dict[str, list[Clip]] = {}
     for c in sorted(clips, key=lambda c: (c.translation is None, c.id)):
-        by_lang.setdefault(c.language, []).append(c)
+        by_lang.setdefault(language(c), []).append(c)
     langs = sorted(by_lang, key=lambda k: (-len(by_lang[k]), k))
     order = [langs[i // 2] if i % 2 == 0 else langs[-1 - i // 2] for i in range(len(langs))]
-    out: list[MClip] = []
+    out: list[Clip] = []
     while len(out) < min(n, len(clips)):
         for lang in order:
             if by_lang[lang] and len(out) < n:
                 out.append(by_lang[lang].pop(0))
-    return sorted(out, key=lambda c: (c.language, c.id))
+    return sorted(out, key=lambda c: (language(c), c.id))
 
 
 def against(s: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
