@@ -313,7 +313,8 @@ class LiveSettings(BaseModel):
         "model's pad_margin_s, 8 s). At 16 streams final encodes were the engine's largest live "
         "cost (25 of 97 worker-seconds beside a long upload, 0.24 s each at 8 s); at 3 s the "
         "turn p95 beside the upload read 1.78-1.96 s in three runs (1.61-2.74 s at 8 s), the "
-        "same alone, and WER the same within a word or two a run (loadtest/README.md).")
+        "same alone, and WER the same within a word or two a run (loadtest/README.md "
+        "at commit eadc09f).")
     early_final_ms: int = Field(
         200, ge=0, le=10_000,
         description="Server VAD: a turn's final decode starts once its speech has been quiet "
@@ -330,7 +331,8 @@ class LiveSettings(BaseModel):
         "still ends the turn, so a sentence said with pauses arrives in pieces, and a piece read "
         "alone loses its words' context. At 8 / 16 streams: WER of the utterances cut into "
         "pieces 60.0 -> 52.0 % / 32.2 -> 28.8 %, the rest the same; at 1000 ms, turns of "
-        "different sentences joined too, and WER came out mixed (loadtest/README.md).")
+        "different sentences joined too, and WER came out mixed (loadtest/README.md "
+        "at commit eadc09f).")
     context_max_s: float = Field(
         8.0, ge=0.0, le=28.0,
         description="The most audio such a final reads, the turn before included (0: never "
