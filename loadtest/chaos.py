@@ -36,7 +36,8 @@ from pathlib import Path
 from typing import Any
 
 from loadtest.chaos_rig import CuttingProxy, Postgres, Replica
-from loadtest.common import DEFAULT_CORPUS, ROOT, child_env, load_corpus, machine_info
+from loadtest.lib.common import ROOT, child_env, machine_info
+from loadtest.lib.corpus import DEFAULT_CORPUS, load_corpus
 
 ACCESS = re.compile(r'"(?P<method>[A-Z]+) (?P<path>\S+) HTTP/[\d.]+" (?P<status>\d{3})')
 

@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.common import ROOT, child_env, free_port
+from loadtest.lib.common import ROOT, child_env, free_port
 
 PG_BINS = sorted(glob.glob("/usr/lib/postgresql/*/bin/pg_ctl"))
 _TAKEN: set[int] = set()

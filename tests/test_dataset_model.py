@@ -24,8 +24,10 @@ import pytest
 import sqlalchemy as sa
 import srt
 
-from tests.conftest import CORPUS, ROOT, Clip, Server, corpus_clips
-from tests.test_crash import MISLABELLED, db_jobs, finished_done, wait_until
+from loadtest.lib.corpus import Clip
+from tests.conftest import CORPUS, ROOT, Server, corpus_clips
+from tests.helpers import wait_until
+from tests.test_crash import MISLABELLED, db_jobs, finished_done
 from tests.test_postgres import PG_BINS, db, pg  # noqa: F401  (fixtures)
 from tests.wer import wer
 

@@ -22,12 +22,9 @@ from pathlib import Path
 import httpx
 import pytest
 
-from app.main import create_app
-from tests.conftest import Clip
-from tests.fakes import FakeEngine
-from tests.test_metrics import fake_settings, samples, serve
+from loadtest.lib.corpus import Clip
+from tests.helpers import bearer, fake_service, samples, sha
 from tests.test_shared_slots import Origin
-from tests.test_tenant_webhooks import bearer, sha
 from tests.test_webhooks import Receiver
 
 KEY_A, KEY_B = "fetch-key-a", "fetch-key-b"
@@ -54,11 +51,10 @@ def clip(clips: list[Clip]) -> Clip:
 def url(tmp_path: Path) -> Iterator[str]:
     """Defaults but for the rate rule's grace, and webhooks' deadline (a long one: a delivery
     stuck behind A's would miss the bound by far)."""
-    settings = fake_settings(
-        tmp_path, security={"api_key_sha256": [sha(KEY_A), sha(KEY_B)]},
-        outbound={"allowed_hosts": ["localhost", "127.0.0.1"], "fetch_rate_grace_s": GRACE_S},
-        webhooks={"secret": "fetch-limits-secret", "timeout_s": 60.0})
-    with serve(create_app(settings, engine_factory=lambda s: FakeEngine())) as base:
+    with fake_service(
+            tmp_path, security={"api_key_sha256": [sha(KEY_A), sha(KEY_B)]},
+            outbound={"allowed_hosts": ["localhost", "127.0.0.1"], "fetch_rate_grace_s": GRACE_S},
+            webhooks={"secret": "fetch-limits-secret", "timeout_s": 60.0}) as base:
         yield base
 
 

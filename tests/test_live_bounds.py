@@ -28,10 +28,9 @@ import pytest
 
 from app.live.audio import encode_pcm16
 from app.main import create_app
-from tests.conftest import Clip
+from loadtest.lib.corpus import Clip
 from tests.fakes import FakeEngine
-from tests.test_metrics import fake_settings, serve
-from tests.test_tenant_webhooks import bearer, sha
+from tests.helpers import bearer, fake_settings, serve, sha
 from tests.test_webhooks import Receiver
 
 websockets = pytest.importorskip("websockets")

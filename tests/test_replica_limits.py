@@ -25,9 +25,10 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.conftest import Clip, Server
+from loadtest.lib.corpus import Clip
+from tests.conftest import Server
+from tests.helpers import bearer, sha
 from tests.test_postgres import PG_BINS, db, pg  # noqa: F401  (fixtures)
-from tests.test_tenant_webhooks import bearer, sha
 
 websockets = pytest.importorskip("websockets")
 from websockets.asyncio.client import connect  # noqa: E402

@@ -23,11 +23,10 @@ import pytest
 
 from app import audio
 from app.main import create_app
+from loadtest.lib.corpus import Clip
 from loadtest.lib.hostile_inputs import lying_mkv
-from tests.conftest import Clip
 from tests.fakes import FakeEngine
-from tests.test_metrics import fake_settings, serve
-from tests.test_tenant_webhooks import bearer, sha
+from tests.helpers import bearer, fake_service, fake_settings, serve, sha
 
 KEY_A, KEY_B = "slots-key-a", "slots-key-b"
 FETCHES, UPLOADS = 64, 48
@@ -92,15 +91,14 @@ def clip(clips: list[Clip]) -> Clip:
 
 @pytest.fixture
 def url(tmp_path: Path) -> Iterator[str]:
-    settings = fake_settings(
-        tmp_path, security={"api_key_sha256": [sha(KEY_A), sha(KEY_B)]},
-        # Issue 38's shape: stalled downloads that stay (no rate rule, no per-key share of the
-        # slots; issue 51's cut-offs and shares: tests/test_fetch_limits.py).
-        outbound={"allowed_hosts": ["127.0.0.1", "127.0.0.2"], "max_in_flight": 256,
-                  "max_per_host": 128, "max_per_key": 256, "max_per_host_per_key": 128,
-                  "min_fetch_rate_bytes_s": 0},
-        limits={"max_transfers_per_key": FETCHES + UPLOADS, "max_queued_jobs_per_key": 500})
-    with serve(create_app(settings, engine_factory=lambda s: FakeEngine())) as base:
+    with fake_service(
+            tmp_path, security={"api_key_sha256": [sha(KEY_A), sha(KEY_B)]},
+            # Issue 38's shape: stalled downloads that stay (no rate rule, no per-key share of
+            # the slots; issue 51's cut-offs and shares: tests/test_fetch_limits.py).
+            outbound={"allowed_hosts": ["127.0.0.1", "127.0.0.2"], "max_in_flight": 256,
+                      "max_per_host": 128, "max_per_key": 256, "max_per_host_per_key": 128,
+                      "min_fetch_rate_bytes_s": 0},
+            limits={"max_transfers_per_key": FETCHES + UPLOADS, "max_queued_jobs_per_key": 500}) as base:
         yield base
 
 

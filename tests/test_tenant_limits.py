@@ -26,10 +26,9 @@ import httpx
 import pytest
 
 from app.main import create_app
-from tests.conftest import Clip
+from loadtest.lib.corpus import Clip
 from tests.fakes import FakeEngine
-from tests.test_metrics import fake_settings, serve
-from tests.test_tenant_webhooks import bearer, sha
+from tests.helpers import bearer, fake_settings, serve, sha
 from tests.test_webhooks import Receiver
 
 websockets = pytest.importorskip("websockets")
@@ -107,6 +106,7 @@ async def test_a_secrets_socket_delivers_only_to_its_signed_callback(url: str) -
         assert event["type"] == "error" and event["error"]["param"] == "callback_url", event
         async with connect(ws_url(url, client_secret=signed)) as ws:  # the signed one goes
             assert json.loads(await ws.recv())["type"] == "session.created"
+            assert ws.response is not None
             job = ws.response.headers["x-batchscribe-job"]
         for _ in range(200):
             if rx.for_job(job):
