@@ -4,7 +4,7 @@
 
 Three replicas (``python -m app``, the real model) on one PostgreSQL and one blob folder, each
 behind a proxy that cuts a share of client connections mid-request or mid-answer
-(loadtest/chaos_rig.py); the dataset client (``batchscribe dataset``, its own retries and
+(loadtest/lib/chaos_rig.py); the dataset client (``batchscribe dataset``, its own retries and
 Idempotency-Keys) feeds all three through the proxies. Meanwhile one replica is SIGKILLed and
 restarted every ``--kill-every`` seconds, in turn, and PostgreSQL itself is restarted once
 (``pg_ctl restart -m fast``, its connections cut). At the end it counts (counts, not timings):
@@ -35,7 +35,7 @@ from collections import Counter
 from pathlib import Path
 from typing import Any
 
-from loadtest.chaos_rig import CuttingProxy, Postgres, Replica
+from loadtest.lib.chaos_rig import CuttingProxy, Postgres, Replica
 from loadtest.lib.common import ROOT, child_env, machine_info
 from loadtest.lib.corpus import DEFAULT_CORPUS, load_corpus
 

@@ -11,7 +11,7 @@ Starts ``python -m app`` on a free port with a temporary data dir, two API keys,
 * key B, ``--clients`` closed-loop clients: an async upload, polled, its result fetched in a
   random format (most; a quarter carry a ``callback_url`` to the soak's receiver), a
   ``?wait=true`` upload, an upload cancelled at once, or a bad upload (random bytes, empty file);
-* key B, one hostile client (loadtest/soak_hostile.py), an input every ``--hostile-gap-s``:
+* key B, one hostile client (loadtest/lib/soak_hostile.py), an input every ``--hostile-gap-s``:
   playlists naming key A's spool files or absolute paths (415, no job), WAVs declaring
   10 MHz / 64 channels / 0 Hz (4xx), a Matroska file whose header says 5 s for 90 s (must
   finish, counted at 90 s), the SSRF callback URLs (400), the ``openai`` SDK with an
@@ -19,7 +19,7 @@ Starts ``python -m app`` on a free port with a temporary data dir, two API keys,
   with an Idempotency-Key (one job), oversized bodies, too many form parts, one event stream
   past the per-key cap (429);
 * key A, ``--flood`` threads posting 1 s clips, honouring 429 Retry-After;
-* a webhook receiver (loadtest/hook_receiver.py) answering 200, or 200 and an endless body
+* a webhook receiver (loadtest/lib/hook_receiver.py) answering 200, or 200 and an endless body
   (trickled, or as fast as it goes): each attempt must end by the service's deadline.
 
 RSS is read every ``--sample-s`` seconds; after ``--warmup-s`` a least-squares line gives the
@@ -51,12 +51,12 @@ from typing import Any
 import httpx
 import numpy as np
 
-from loadtest.hook_receiver import HookReceiver
 from loadtest.lib.common import child_env, free_port, machine_info, proc_status_kb
 from loadtest.lib.corpus import DEFAULT_CORPUS, Clip, load_corpus
+from loadtest.lib.hook_receiver import HookReceiver
 from loadtest.lib.hostile_inputs import header_only_wav, load, lying_flac, lying_mkv, wav
 from loadtest.lib.soak_audit import audit, latencies
-from loadtest.soak_hostile import CANCELLABLE, OTHER, TERMINAL, Expect, Hostile, Media, Recorder
+from loadtest.lib.soak_hostile import CANCELLABLE, OTHER, TERMINAL, Expect, Hostile, Media, Recorder
 
 ROOT = Path(__file__).resolve().parents[1]
 FORMATS = ("json", "text", "srt", "vtt")

@@ -4,7 +4,7 @@
 ``X-Batchscribe-Job-Id``) is still in GET /jobs (``?ids=``, under its own key), none is left
 queued or running after the drain, none was cancelled except by the soak, none failed without a
 clear error (a type other than ``internal_error`` and a message), and each ended as its input
-expects (:class:`loadtest.soak_hostile.Expect`: status, error type, counted length, webhook
+expects (:class:`loadtest.lib.soak_hostile.Expect`: status, error type, counted length, webhook
 delivered). Jobs nobody tracked (an answer lost in transit) must not be left running either:
 each key's newest 1000 are checked too.
 """
@@ -17,8 +17,8 @@ from collections import Counter
 from collections.abc import Callable
 from typing import Any
 
-from loadtest.hook_receiver import HookReceiver
-from loadtest.soak_hostile import TERMINAL, Recorder
+from loadtest.lib.hook_receiver import HookReceiver
+from loadtest.lib.soak_hostile import TERMINAL, Recorder
 
 Rows = dict[str, dict[str, Any]]  # job id -> the job as GET /jobs gives it
 
