@@ -24,22 +24,14 @@ import pytest
 import sqlalchemy as sa
 import srt
 
-from loadtest.lib.corpus import Clip
-from tests.conftest import CORPUS, ROOT, Server, corpus_clips
+from loadtest.lib.corpus import READ_SPEECH, Clip
+from tests.conftest import ROOT, Server
 from tests.helpers import wait_until
 from tests.test_crash import MISLABELLED, db_jobs, finished_done
 from tests.test_postgres import PG_BINS, db, pg  # noqa: F401  (fixtures)
 from tests.wer import wer
 
 pytestmark = pytest.mark.model
-READ = ("librispeech", "ljspeech", "librivox")
-
-
-@pytest.fixture(scope="module")
-def corpus() -> list[Clip]:
-    if not (CORPUS / "manifest.jsonl").is_file() and os.environ.get("CI"):
-        pytest.fail(f"corpus not found at {CORPUS}: CI needs it")
-    return corpus_clips()
 
 
 def nemo_manifest(clips: list[Clip], path: Path) -> Path:
@@ -74,16 +66,16 @@ def check_once(out: Path, clips: list[Clip]) -> list[dict[str, Any]]:
     ids = Counter(r["id"] for r in rows)
     assert ids == Counter(c.id for c in clips), {k: v for k, v in ids.items() if v != 1}
     for r in rows:
-        if r["set"] in READ and r["id"] not in MISLABELLED:
+        if r["set"] in READ_SPEECH and r["id"] not in MISLABELLED:
             assert r["wer"] < 50, r  # each row holds its own clip's transcript
     return rows
 
 
-def short_rows(corpus: list[Clip], n: int) -> list[Clip]:
+def short_rows(clips: list[Clip], n: int) -> list[Clip]:
     """The first ``n`` clips of at most 12 s, in manifest order: the kill and replica tests need
     rows done, in flight and not sent when the kill lands, not minutes of audio (the first 40
     rows held three clips of 53-60 s)."""
-    return [c for c in corpus if c.duration_s <= 12][:n]
+    return [c for c in clips if c.duration_s <= 12][:n]
 
 
 def submitted_jobs(out: Path) -> list[str]:
@@ -91,12 +83,12 @@ def submitted_jobs(out: Path) -> list[str]:
     return [json.loads(x)["job"] for x in ck.read_text().splitlines() if '"submitted"' in x]
 
 
-def test_corpus_manifest_through_the_service(corpus: list[Clip], server: Server, tmp_path: Path) -> None:
+def test_corpus_manifest_through_the_service(clips: list[Clip], server: Server, tmp_path: Path) -> None:
     out = tmp_path / "corpus.pred.jsonl"
-    p = run_client(dataset_cmd(nemo_manifest(corpus, tmp_path / "corpus.jsonl"), out, [server]))
+    p = run_client(dataset_cmd(nemo_manifest(clips, tmp_path / "corpus.jsonl"), out, [server]))
     assert p.returncode == 0, p.stderr
-    rows = check_once(out, corpus)
-    by_id = {c.id: c for c in corpus}
+    rows = check_once(out, clips)
+    by_id = {c.id: c for c in clips}
     for r in rows:
         c = by_id[r["id"]]
         assert r["audio_filepath"] == str(c.path) and r["duration"] == c.duration_s  # kept
@@ -110,15 +102,15 @@ def test_corpus_manifest_through_the_service(corpus: list[Clip], server: Server,
     assert total["metric"] == "wer" and total["utterances"] == len(scored) >= 80
     assert total["percent"] == round(100 * wer([r["text"] for r in scored],
                                                [r["pred_text"] for r in scored]), 3)
-    assert s["done"] == len(corpus) and s["failed"] == 0 and s["this_run"]["x_realtime"] > 1
-    assert abs(s["audio_hours"] * 3600 - sum(c.duration_s for c in corpus)) < 5
-    read = [r for r in scored if r["set"] in READ and r["id"] not in MISLABELLED]
+    assert s["done"] == len(clips) and s["failed"] == 0 and s["this_run"]["x_realtime"] > 1
+    assert abs(s["audio_hours"] * 3600 - sum(c.duration_s for c in clips)) < 5
+    read = [r for r in scored if r["set"] in READ_SPEECH and r["id"] not in MISLABELLED]
     assert wer([r["text"] for r in read], [r["pred_text"] for r in read]) < 0.12
     assert "WER" in p.stderr and "rows done" in p.stderr  # the printed summary
 
 
-def test_subtitles_segments_and_words(corpus: list[Clip], server: Server, tmp_path: Path) -> None:
-    picked = [c for c in corpus if c.set == "librispeech"][:3]
+def test_subtitles_segments_and_words(clips: list[Clip], server: Server, tmp_path: Path) -> None:
+    picked = [c for c in clips if c.set == "librispeech"][:3]
     out = tmp_path / "subs.jsonl"
     p = run_client(dataset_cmd(nemo_manifest(picked, tmp_path / "m.jsonl"), out, [server],
                                "--segments", "--words", "--subtitles", "srt,vtt"))
@@ -130,13 +122,13 @@ def test_subtitles_segments_and_words(corpus: list[Clip], server: Server, tmp_pa
         assert r["segments"] and r["words"] and all(w["end"] >= w["start"] for w in r["words"])
 
 
-def test_client_killed_halfway_resumes_exactly_once(server: Server, corpus: list[Clip],
+def test_client_killed_halfway_resumes_exactly_once(server: Server, clips: list[Clip],
                                                     tmp_path: Path) -> None:
     """On the shared service: what it made and finished is counted from this test's start (the
     store's rows created since, the done counter's growth)."""
     since, done_before = time.time(), finished_done(server)
-    clips = short_rows(corpus, 24)
-    manifest, out = nemo_manifest(clips, tmp_path / "m.jsonl"), tmp_path / "out.jsonl"
+    subset = short_rows(clips, 24)
+    manifest, out = nemo_manifest(subset, tmp_path / "m.jsonl"), tmp_path / "out.jsonl"
     # Few files in flight, so that the kill finds rows done, rows in flight and rows not sent.
     cmd = dataset_cmd(manifest, out, [server], "--max-in-flight", "8")
     first = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
@@ -144,32 +136,32 @@ def test_client_killed_halfway_resumes_exactly_once(server: Server, corpus: list
     first.send_signal(signal.SIGKILL)
     first.wait(30)
     at_kill = lines(out)
-    assert first.returncode == -signal.SIGKILL and at_kill < len(clips), at_kill
+    assert first.returncode == -signal.SIGKILL and at_kill < len(subset), at_kill
     p = run_client([*cmd, "--resume"])
     assert p.returncode == 0, p.stderr
-    check_once(out, clips)
+    check_once(out, subset)
     jobs = submitted_jobs(out)
-    assert len(set(jobs)) == len(clips)  # a re-post of an unrecorded row named the same job
+    assert len(set(jobs)) == len(subset)  # a re-post of an unrecorded row named the same job
     made = {k for k, j in db_jobs(server.data_dir).items() if j["created_at"] >= since}
     assert made == set(jobs)  # the service made one job per row, and only these
-    assert finished_done(server) - done_before == len(clips)  # and transcribed each once
+    assert finished_done(server) - done_before == len(subset)  # and transcribed each once
     print(f"killed with {at_kill}/{len(clips)} rows written; "
           f"{len(jobs) - len(set(jobs))} rows re-posted under their first key")
 
 
 def test_service_killed_and_restarted_the_client_carries_on(
-        make_server: type[Server], corpus: list[Clip], tmp_path: Path) -> None:
+        make_server: type[Server], clips: list[Clip], tmp_path: Path) -> None:
     data = tmp_path / "svc"
     srv = make_server(data).start()
-    clips = short_rows(corpus, 16)  # (24 before: 8 more rows after the restart show no more)
+    subset = short_rows(clips, 16)  # (24 before: 8 more rows after the restart show no more)
     out = tmp_path / "out.jsonl"
-    client = subprocess.Popen(dataset_cmd(nemo_manifest(clips, tmp_path / "m.jsonl"), out, [srv],
+    client = subprocess.Popen(dataset_cmd(nemo_manifest(subset, tmp_path / "m.jsonl"), out, [srv],
                                           "--max-in-flight", "12"),
                               cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         assert wait_until(lambda: lines(out) >= 6 or client.poll() is not None, 600, step=0.05)
         srv.kill()  # kill -9: no drain
-        assert client.poll() is None and lines(out) < len(clips)
+        assert client.poll() is None and lines(out) < len(subset)
         time.sleep(2)  # the client meets a dead port for a while
         again = make_server(data, port=srv.port).start()
         _, err = client.communicate(timeout=900)
@@ -178,8 +170,8 @@ def test_service_killed_and_restarted_the_client_carries_on(
             client.kill()
     assert client.returncode == 0, err
     assert "retrying" in err  # it noticed, and carried on
-    check_once(out, clips)
-    assert len(db_jobs(data)) == len(clips)  # no row made a second job across the crash
+    check_once(out, subset)
+    assert len(db_jobs(data)) == len(subset)  # no row made a second job across the crash
     assert all(j["status"] == "done" for j in db_jobs(data).values())
     assert again.proc is not None and again.proc.poll() is None
 
@@ -191,17 +183,17 @@ def pg_url(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue("db"))
 
 
-def test_two_replicas_on_postgres_fed_by_one_client(make_server: type[Server], corpus: list[Clip],
+def test_two_replicas_on_postgres_fed_by_one_client(make_server: type[Server], clips: list[Clip],
                                                      tmp_path: Path, pg_url: str) -> None:
     shared = tmp_path / "shared"  # the blob folder both replicas read
     env = {"BATCHSCRIBE_STORAGE__DATABASE_URL": pg_url, "BATCHSCRIBE_MODEL__NUM_WORKERS": "1"}
     a = make_server(shared, env={**env, "BATCHSCRIBE_STORAGE__REPLICA_ID": "replica-a"}).start()
     b = make_server(shared, env={**env, "BATCHSCRIBE_STORAGE__REPLICA_ID": "replica-b"}).start()
-    clips = short_rows(corpus, 16)
+    subset = short_rows(clips, 16)
     out = tmp_path / "out.jsonl"
-    p = run_client(dataset_cmd(nemo_manifest(clips, tmp_path / "m.jsonl"), out, [a, b]))
+    p = run_client(dataset_cmd(nemo_manifest(subset, tmp_path / "m.jsonl"), out, [a, b]))
     assert p.returncode == 0, p.stderr + a.log() + b.log()
-    check_once(out, clips)
+    check_once(out, subset)
     eng = sa.create_engine(pg_url)
     try:
         with eng.connect() as c:
@@ -216,10 +208,10 @@ def test_two_replicas_on_postgres_fed_by_one_client(make_server: type[Server], c
           f"{sorted(Counter(r['attempts'] for r in table).items())}; keys "
           f"{len({r['idempotency_key'] for r in table})} distinct, "
           f"{sum(1 for r in table if not r['idempotency_key'])} none")
-    assert len(table) == len(clips) and all(r["status"] == "done" for r in table), why
+    assert len(table) == len(subset) and all(r["status"] == "done" for r in table), why
     assert all(r["attempts"] == 1 and r["idempotency_key"] for r in table), why
     assert {r["replica"] for r in table} == {"replica-a", "replica-b"}, why  # both took work
     ck = out.with_name(out.name + ".checkpoint")
     servers = Counter(json.loads(x)["server"] for x in ck.read_text().splitlines() if '"submitted"' in x)
     assert set(servers) == {a.url, b.url}, servers  # the client fed both
-    assert finished_done(a) + finished_done(b) == len(clips)
+    assert finished_done(a) + finished_done(b) == len(subset)

@@ -37,21 +37,13 @@ from app.cli import main
 from app.dataset.parts import PartStore
 from app.dataset.plan import plan
 from app.dataset.stage import Transcriber
-from loadtest.lib.corpus import Clip
-from tests.conftest import CORPUS, ROOT, Server, corpus_clips
+from loadtest.lib.corpus import READ_SPEECH, Clip
+from tests.conftest import ROOT, Server
 from tests.test_speakers import CORPUS as DIARIZATION
 from tests.test_speakers import SAMPLE, corpus_item
 from tests.wer import wer
 
 pytestmark = pytest.mark.model
-READ = ("librispeech", "ljspeech", "librivox")
-
-
-@pytest.fixture(scope="module")
-def corpus() -> list[Clip]:
-    if not (CORPUS / "manifest.jsonl").is_file() and os.environ.get("CI"):
-        pytest.fail(f"corpus not found at {CORPUS}: CI needs it")
-    return corpus_clips()
 
 
 @pytest.fixture(scope="module")
@@ -98,7 +90,7 @@ def broken_rows(tmp: Path) -> list[dict[str, Any]]:
 
 
 @pytest.mark.timeout(900)
-def test_cli_killed_then_resumed_skips_written_rows(corpus: list[Clip], ray_local: Any,
+def test_cli_killed_then_resumed_skips_written_rows(clips: list[Clip], ray_local: Any,
                                                     tmp_path: Path) -> None:
     """The real CLI on a running Ray cluster (``--ray ADDRESS``: this module's local one),
     SIGKILLed with every process it started once some parts are written; the cluster ends
@@ -108,8 +100,8 @@ def test_cli_killed_then_resumed_skips_written_rows(corpus: list[Clip], ray_loca
     driver's kill by the rows it was handed, ``calls x batch_rows`` (8 x 2 on a CPU node,
     app/dataset/plan.py), and writes them: with 12 rows, killed at 3 parts, all 12 were
     written once (CI). So 32 rows, killed at 2 parts: 4 written and at most 16 in flight."""
-    clips = sorted(corpus, key=lambda c: c.duration_s)[:32]
-    manifest = nemo_manifest(clips, tmp_path / "m.jsonl")
+    subset = sorted(clips, key=lambda c: c.duration_s)[:32]
+    manifest = nemo_manifest(subset, tmp_path / "m.jsonl")
     out = tmp_path / "out.jsonl"
     store = PartStore(out.with_name(out.name + ".parts"))
     address = ray_local.get_runtime_context().gcs_address
@@ -131,33 +123,33 @@ def test_cli_killed_then_resumed_skips_written_rows(corpus: list[Clip], ray_loca
         proc.wait(30)
         log.close()
     first = store.scan()
-    assert 0 < len(first.records) < len(clips)
+    assert 0 < len(first.records) < len(subset)
     stamp = {p.name: p.stat().st_mtime_ns for p in store.root.glob("part-*")}
     p = subprocess.run([*cmd, "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert p.returncode == 0, p.stderr[-3000:]
     rows = read_out(out)
-    assert Counter(r["id"] for r in rows) == Counter(c.id for c in clips)
+    assert Counter(r["id"] for r in rows) == Counter(c.id for c in subset)
     scan = store.scan()
-    assert not scan.duplicates() and len(scan.done) == len(clips)
+    assert not scan.duplicates() and len(scan.done) == len(subset)
     assert {n: t for n, t in ((q.name, q.stat().st_mtime_ns) for q in store.root.glob("part-*"))
             if n in stamp} == stamp  # what the first run wrote was not written again
     s = json.loads(out.with_suffix(".summary.json").read_text())
-    assert s["this_run"]["files"] == len(clips) - len(first.records)
+    assert s["this_run"]["files"] == len(subset) - len(first.records)
 
 
-def one_per_set(corpus: list[Clip]) -> list[Clip]:
+def one_per_set(clips: list[Clip]) -> list[Clip]:
     """The shortest clip of every corpus set, in corpus order."""
     shortest: dict[str, Clip] = {}
-    for c in corpus:
+    for c in clips:
         if c.set not in shortest or c.duration_s < shortest[c.set].duration_s:
             shortest[c.set] = c
-    return [c for c in corpus if shortest[c.set] is c]
+    return [c for c in clips if shortest[c.set] is c]
 
 
-def test_corpus_through_ray_equals_dataset_mode(corpus: list[Clip], server: Server,
+def test_corpus_through_ray_equals_dataset_mode(clips: list[Clip], server: Server,
                                                ray_local: Any, tmp_path: Path) -> None:
-    corpus = one_per_set(corpus)
-    manifest = nemo_manifest(corpus, tmp_path / "corpus.jsonl", broken_rows(tmp_path))
+    clips = one_per_set(clips)
+    manifest = nemo_manifest(clips, tmp_path / "corpus.jsonl", broken_rows(tmp_path))
     http_out, ray_out = tmp_path / "http.jsonl", tmp_path / "ray.jsonl"
     p = subprocess.run([sys.executable, "-m", "app.cli", "dataset", str(manifest), "-o",
                         str(http_out), "--language", "en", "--no-progress", "--server", server.url],
@@ -168,18 +160,18 @@ def test_corpus_through_ray_equals_dataset_mode(corpus: list[Clip], server: Serv
     assert code == 1
     http_rows = {r["id"]: r for r in read_out(http_out)}
     ray_rows = read_out(ray_out)
-    assert [r["id"] for r in ray_rows] == [c.id for c in corpus]  # input order, once each
-    assert set(http_rows) == {c.id for c in corpus}
+    assert [r["id"] for r in ray_rows] == [c.id for c in clips]  # input order, once each
+    assert set(http_rows) == {c.id for c in clips}
     for r in ray_rows:  # the same transcript, language, score: every field but the speed
         h = http_rows[r["id"]]
         assert r["rtf"] > 0
         assert {k: v for k, v in r.items() if k != "rtf"} == {k: v for k, v in h.items()
                                                              if k != "rtf"}, r["id"]
-    read = [r for r in ray_rows if r["set"] in READ]
+    read = [r for r in ray_rows if r["set"] in READ_SPEECH]
     assert wer([r["text"] for r in read], [r["pred_text"] for r in read]) < 0.12
     s = json.loads((tmp_path / "ray.summary.json").read_text())
     h = json.loads((tmp_path / "http.summary.json").read_text())
-    assert s["done"] == len(corpus) and s["failed"] == 2 and s["scores"] == h["scores"]
+    assert s["done"] == len(clips) and s["failed"] == 2 and s["scores"] == h["scores"]
     errors = {f["audio_filepath"].rsplit("/", 1)[-1]: f["error"] for f in s["failures"]}
     assert errors["broken.wav"].startswith("unsupported_media: not a decodable audio file")
     assert errors["missing.flac"].startswith("FileNotFoundError")
@@ -212,10 +204,10 @@ def actor_pids() -> list[int]:
 
 
 @pytest.mark.timeout(600)
-def test_actor_killed_mid_run_then_rerun_every_row_once(corpus: list[Clip], ray_local: Any,
+def test_actor_killed_mid_run_then_rerun_every_row_once(clips: list[Clip], ray_local: Any,
                                                        tmp_path: Path) -> None:
-    clips = sorted(corpus, key=lambda c: c.duration_s)[:16]  # short clips: many small blocks
-    manifest = nemo_manifest(clips, tmp_path / "m.jsonl")
+    subset = sorted(clips, key=lambda c: c.duration_s)[:16]  # short clips: many small blocks
+    manifest = nemo_manifest(subset, tmp_path / "m.jsonl")
     out = tmp_path / "out.jsonl"
     store = PartStore(out.with_name(out.name + ".parts"))
     argv = ["dataset", str(manifest), "-o", str(out), "--language", "en", "--no-progress",
@@ -228,7 +220,7 @@ def test_actor_killed_mid_run_then_rerun_every_row_once(corpus: list[Clip], ray_
         written = store.scan()
         pids = actor_pids()
         if written.parts >= 2 and pids:  # the actor has written blocks and has more to do
-            assert len(written.records) < len(clips)
+            assert len(written.records) < len(subset)
             os.kill(pids[0], signal.SIGKILL)
             killed = (pids[0], len(written.records))
         else:
@@ -238,25 +230,25 @@ def test_actor_killed_mid_run_then_rerun_every_row_once(corpus: list[Clip], ray_
     assert result == [0]
     assert pids[0] not in actor_pids()  # that process is gone; a restarted actor finished
     rows = read_out(out)
-    assert Counter(r["id"] for r in rows) == Counter(c.id for c in clips)
+    assert Counter(r["id"] for r in rows) == Counter(c.id for c in subset)
     scan = store.scan()
-    assert not scan.duplicates() and len(scan.done) == len(clips)  # each id in one part
+    assert not scan.duplicates() and len(scan.done) == len(subset)  # each id in one part
     texts = {r["id"]: r["pred_text"] for r in rows}
-    assert all(texts[c.id] for c in clips if c.set in READ)
+    assert all(texts[c.id] for c in subset if c.set in READ_SPEECH)
     stamp = {p.name: p.stat().st_mtime_ns for p in store.root.glob("part-*")}
     before = out.read_bytes()
     assert main([*argv, "--resume"]) == 0  # nothing left to do: no actor, no part written
     assert {p.name: p.stat().st_mtime_ns for p in store.root.glob("part-*")} == stamp
     assert out.read_bytes() == before
     s = json.loads(out.with_suffix(".summary.json").read_text())
-    assert s["this_run"]["files"] == 0 and s["done"] == len(clips) and s["ray"]["plan"] is None
+    assert s["this_run"]["files"] == 0 and s["done"] == len(subset) and s["ray"]["plan"] is None
 
 
 @pytest.mark.timeout(600)
-def test_user_pipeline_bytes_words_and_speakers(corpus: list[Clip], ray_local: Any,
+def test_user_pipeline_bytes_words_and_speakers(clips: list[Clip], ray_local: Any,
                                                tmp_path: Path) -> None:
     ray = ray_local
-    picked = [c for c in corpus if c.set == "librispeech"][:3]
+    picked = [c for c in clips if c.set == "librispeech"][:3]
     bad = tmp_path / "notes.wav"
     bad.write_bytes(b"plain text, not audio")
     ds = ray.data.read_binary_files([str(c.path) for c in picked] + [str(bad)],
