@@ -7,7 +7,7 @@ import math
 import os
 import sys
 from types import FrameType
-from typing import Any
+from typing import Any, Protocol
 
 # Before torch or CTranslate2 load: idle OpenMP threads sleep instead of spinning, so torch's
 # pool (mel, pyannote VAD) and CTranslate2's do not starve each other on a few cores.
@@ -18,7 +18,6 @@ from app.engine.device import use_pci_bus_order  # light: os and logging only
 use_pci_bus_order()  # before CUDA initialises: CUDA ordinal k is NVML's GPU k
 
 import uvicorn  # noqa: E402
-from fastapi import FastAPI  # noqa: E402
 from pydantic import ValidationError  # noqa: E402
 from uvicorn.protocols.websockets.websockets_sansio_impl import (  # noqa: E402
     WebSocketsSansIOProtocol,
@@ -31,6 +30,13 @@ from app.engine.loading import REFUSALS, preflight  # noqa: E402
 from app.main import create_app, setup_logging  # noqa: E402
 
 
+class ServedApp(Protocol):
+    """What the server needs of the app (app/main.py's): its state, where the lifespan puts
+    ``begin_shutdown``. FastAPI stays inside app/api and app/main.py (pyproject.toml)."""
+
+    state: Any
+
+
 class GracefulServer(uvicorn.Server):
     """uvicorn, plus: a SIGTERM starts the app's drain at once.
 
@@ -40,7 +46,7 @@ class GracefulServer(uvicorn.Server):
     exit within ``shutdown_grace_s`` (what Kubernetes' terminationGracePeriodSeconds expects).
     """
 
-    def __init__(self, config: uvicorn.Config, app: FastAPI) -> None:
+    def __init__(self, config: uvicorn.Config, app: ServedApp) -> None:
         super().__init__(config)
         self.app = app
 

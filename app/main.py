@@ -17,14 +17,20 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from app.api import asr, docs, events, health, jobs, openai, realtime, transcribe, web
+from app.api import docs, health, web
 from app.api import webhooks as hooks
+from app.api.asr import api_router as asr
+from app.api.errors import install_error_handlers
 from app.api.json_form import describe_json_bodies
 from app.api.middleware import install_middleware
+from app.api.native import api_router as native
+from app.api.native import events
+from app.api.openai import api_router as openai
+from app.api.realtime import api_router as realtime
 from app.config import Settings
 from app.engine.loading import REFUSALS, load_whisper
 from app.engine.startup import EngineFactory
-from app.errors import ServiceError, install_error_handlers
+from app.errors import ServiceError
 from app.jobs.blobs import make_blobs
 from app.jobs.core import Core
 from app.jobs.door import Door
@@ -88,15 +94,16 @@ def create_app(settings: Settings | None = None,
         outbound = OutboundGuard(settings.outbound)
         if pipeline.sizings:
             log.info("batch sizing", extra=pipeline.sizing())
+        # A session kept as a job ends through the runner's hub, as every job does.
         core = Core(settings, metrics, store, runner, pipeline, outbound, blobs,
-                    pipeline.live_hall(store, outbound, runner.ended_elsewhere))
+                    pipeline.live_hall(store, outbound, runner.events.ended))
         door: Door = core  # what the routers and middleware see (mypy checks Core is a Door)
         app.state.door = door
         # Webhooks only with a signing secret; pending deliveries of earlier runs resume here.
         webhooks = (WebhookDispatcher(settings.webhooks, store, outbound)
                     if settings.webhooks.enabled else None)
         if webhooks is not None:
-            runner.on_end.append(webhooks.wake)
+            runner.events.on_end.append(webhooks.wake)
         loop = asyncio.get_running_loop()
         stopping: list[asyncio.Future[None]] = []
 
@@ -139,8 +146,8 @@ def create_app(settings: Settings | None = None,
                   description="Batched Whisper transcription service.", form_limits=FORM_LIMITS,
                   docs_url=None, redoc_url=None, swagger_ui_oauth2_redirect_url=None)
     install_error_handlers(app)
-    app.include_router(transcribe.router)
-    app.include_router(jobs.router)
+    app.include_router(native.transcribe_router)
+    app.include_router(native.router)
     app.include_router(health.router)
     app.include_router(events.router)
     app.include_router(realtime.router)  # live transcription (before /v1's catch-all 404)

@@ -23,7 +23,7 @@ import webvtt
 from fastapi import UploadFile
 
 from app import audio
-from app.api.asr import spool_pcm
+from app.api.asr.protocol import spool_pcm
 from app.errors import PayloadTooLarge
 from app.results.asr import asr_body, asr_json
 from app.results.formats import CueOptions

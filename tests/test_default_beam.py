@@ -62,7 +62,7 @@ def test_the_language_list_is_whispers() -> None:
 
 
 def test_a_request_carries_both_beams_unless_it_samples() -> None:
-    from app.api.transcribe import decode_options
+    from app.api.uploads import decode_options
 
     settings = Settings()
     greedy = decode_options(settings, None, "transcribe", None, None)

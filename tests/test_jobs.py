@@ -192,7 +192,7 @@ async def test_a_job_whose_runs_keep_dying_fails_instead_of_running_again(
         await rig.store.update(job_id, attempts=died)
     await rig.start()
     for job_id in ("again", "poison"):
-        await rig.runner.wait(job_id, BOUND)
+        await rig.runner.events.wait(job_id, BOUND)
     again, poison = await rig.store.get("again"), await rig.store.get("poison")
     assert again is not None and again.status == "done" and again.attempts == limit, again
     assert poison is not None and poison.status == "failed", poison

@@ -15,9 +15,11 @@ import openai
 import pytest
 from openai import OpenAI
 
+from app.api.openai.protocol import parse_chunking as parse
 from app.audio import decode
-from app.audio.server_vad import InvalidChunking, TunedVad, parse, vad_for
+from app.audio.server_vad import TunedVad, vad_for
 from app.audio.vad import SileroVad
+from app.errors import InvalidChunking
 from loadtest.lib.common import write_wav16
 from loadtest.lib.corpus import Clip
 from tests.test_vad import faster_whisper_spans

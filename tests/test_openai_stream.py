@@ -1,10 +1,10 @@
 """OpenAI ``stream=true``: deltas in upload order as windows finish, then the whole text.
 
 In process: the runner's per-window results (``finished_prefix``) on a fake engine, and the
-event stream against a scripted door (gaps, another replica, failures, a client
-that hangs up). End to end with the ``openai`` client's stream iterator on the real model:
-the deltas add up to the final text and to the non-streamed text, and the first delta comes
-while windows are still being decoded.
+event stream against a scripted door (gaps, another replica, failures, a client that hangs up)
+whose job is followed through a real event hub (app/jobs/events.py). End to end with the
+``openai`` client's stream iterator on the real model: the deltas add up to the final text and
+to the non-streamed text, and the first delta comes while windows are still being decoded.
 """
 
 from __future__ import annotations
@@ -14,7 +14,6 @@ import json
 import wave
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -25,7 +24,9 @@ import pytest
 from openai import APIError, OpenAI
 
 from app import audio
-from app.api import openai_stream
+from app.api.openai import stream as openai_stream
+from app.jobs import events as events_mod
+from app.jobs.events import EventHub, Subscription
 from app.jobs.work import Active
 from app.windows import SAMPLE_RATE, JobOptions, WindowResult
 from loadtest.lib.corpus import Clip
@@ -86,13 +87,9 @@ async def test_every_window_is_readable_when_its_change_fires(
 
 
 async def _ended(rig: Rig, job_id: str) -> str:
-    with rig.runner.watch(job_id) as ev:
-        while True:
-            ev.clear()
-            status = await rig.status(job_id)
-            if status in ("done", "failed", "cancelled"):
-                return status
-            await ev.wait()
+    with rig.runner.events.follow(job_id) as sub:
+        await sub.until_over(60)
+    return await rig.status(job_id)
 
 
 # ---- the stream against a scripted door --------------------------------------------------------
@@ -103,6 +100,10 @@ class Row:
     status: str
     result: dict[str, Any] | None = None
     error: dict[str, Any] | None = None
+    id: str = "j"
+    windows_done: int = 0
+    windows_total: int | None = None
+    audio_seconds: float = 0.0
 
     @property
     def ended(self) -> bool:
@@ -112,26 +113,33 @@ class Row:
 @dataclass
 class FakeDoor:
     """What the stream uses of the door, scripted: the job's row, the window texts finished
-    so far (None: the job is not active here), and whether the service is draining."""
+    so far (None: the job is not active here), and whether the service is draining. The job
+    is followed through a real event hub reading the row."""
 
     row: Row
     prefix: list[str] | None = None
     stopped: bool = False
     cancelled: list[str] = field(default_factory=list)
-    events: list[asyncio.Event] = field(default_factory=list)
+    hub: EventHub = field(init=False)
+
+    def __post_init__(self) -> None:
+        async def read(job_id: str) -> Any:
+            return self.row
+
+        self.hub = EventHub(10, read)
+        if self.stopped:
+            self.hub.stop()
 
     def finished_texts(self, job_id: str, start: int) -> list[str] | None:
         return None if self.prefix is None else self.prefix[start:]
 
-    @contextmanager
-    def watch(self, job_id: str) -> Iterator[asyncio.Event]:
-        ev = asyncio.Event()
-        self.events.append(ev)
-        yield ev
+    def follow(self, job_id: str, owner: str | None) -> Subscription:
+        return self.hub.follow(job_id, owner)
 
     def changed(self) -> None:
-        for ev in self.events:
-            ev.set()
+        """What the runner says when a window finishes (its count goes up)."""
+        self.row.windows_done += 1
+        self.hub.changed("j")
 
     async def get(self, job_id: str, owner: str | None) -> Row:
         return self.row
@@ -179,6 +187,7 @@ async def test_deltas_follow_upload_order_and_add_up_to_the_text() -> None:
 async def test_a_job_on_another_replica_streams_keepalives_then_its_text(
         monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(openai_stream, "KEEPALIVE_S", 0.01)
+    monkeypatch.setattr(events_mod, "RECHECK_S", 0.001)  # the store re-read: finds it done
     row = Row("running")
     gen = openai_stream.transcript_events(FakeDoor(row), "j", None)  # type: ignore[arg-type]
     assert [parse(await gen.__anext__()) for _ in range(2)] == [None, None]  # keep-alives

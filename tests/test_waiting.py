@@ -1,7 +1,8 @@
 """Synchronous waits (app/api/waiting.py), shared by /asr, /detect-language and the OpenAI route:
-a job that ends on another replica is noticed through the store (the runner's wait,
-:meth:`app.jobs.runner.JobRunner.wait_ended`, behind the door's), a client that hangs up is
-noticed at once, and a job that outlives the wait is reported as still running."""
+a job that ends on another replica is noticed through the store (the job's feed in the runner's
+event hub, :meth:`app.jobs.events.EventHub.wait`, which the door's ``follow`` hands out), a
+client that hangs up is noticed at once, and a job that outlives the wait is reported as still
+running."""
 
 from __future__ import annotations
 
@@ -15,7 +16,8 @@ from typing import Any
 import pytest
 
 from app.api import waiting
-from app.jobs import runner as runner_mod
+from app.api.errors import status_of
+from app.jobs import events as events_mod
 from tests import test_jobs
 from tests.test_jobs import Rig
 
@@ -33,9 +35,22 @@ class Job:
         return self.status in ("done", "failed", "cancelled")
 
 
+class Following:
+    """A subscription to a job nothing here changes: waiting for it only times out."""
+
+    def __enter__(self) -> Following:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+    async def until_over(self, timeout_s: float) -> None:
+        await asyncio.sleep(timeout_s)
+
+
 @dataclass
 class Door:
-    """Just what the waits use of the door: the job is not running here, so ``wait`` only
+    """Just what the waits use of the door: the job is not running here, so following it only
     times out."""
 
     job: Job = field(default_factory=Job)
@@ -44,8 +59,8 @@ class Door:
     settings: Any = field(default_factory=lambda: SimpleNamespace(
         limits=SimpleNamespace(sync_timeout_s=0.1)))
 
-    async def wait(self, job_id: str, timeout: float) -> None:
-        await asyncio.sleep(timeout)
+    def follow(self, job_id: str, owner: str | None) -> Following:
+        return Following()
 
     async def get(self, job_id: str, owner: str | None) -> Job:
         return self.job
@@ -67,7 +82,7 @@ class Request:
 
 async def test_a_job_ended_on_another_replica_is_seen_through_the_store(
         rig_factory: Callable[..., Awaitable[Rig]], monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(runner_mod, "RECHECK_S", 0.05)
+    monkeypatch.setattr(events_mod, "RECHECK_S", 0.05)
     rig = await rig_factory(start=False)
     await rig.store.insert(id="j", owner=None, status="running", created_at=time.time(),
                            upload_path="j", options={}, audio_seconds=5.0, windows_done=0,
@@ -84,7 +99,7 @@ async def test_a_job_ended_on_another_replica_is_seen_through_the_store(
     finish = rig.store.finish("j", None, "done", 3600, result={"text": ""})
     asyncio.get_running_loop().call_later(0.2, asyncio.ensure_future, finish)
     start = time.monotonic()
-    await rig.runner.wait_ended("j", 30.0)
+    await rig.runner.events.wait("j", 30.0)
     assert await rig.status("j") == "done"
     assert time.monotonic() - start < 10.0  # long before the 30 s wait was over
     assert reads >= 3  # re-read while it ran elsewhere
@@ -109,4 +124,4 @@ async def test_a_client_that_hangs_up_cancels_the_job() -> None:
 async def test_a_job_still_running_when_the_wait_ends_is_a_504_that_says_where_it_went() -> None:
     with pytest.raises(waiting.StillRunning) as e:
         await waiting.wait_for_job(Request(), Door(), "j", None)  # type: ignore[arg-type]
-    assert e.value.status_code == 504 and "GET /jobs/j" in str(e.value)
+    assert status_of(e.value) == 504 and "GET /jobs/j" in str(e.value)

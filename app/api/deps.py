@@ -1,4 +1,5 @@
-"""Shared request helpers: the door, the caller, job lookups and the job answer."""
+"""What every family's routes take from a request: the door, the caller, a job lookup, and the
+subtitle cue options (the same on every route that renders subtitles)."""
 
 from __future__ import annotations
 
@@ -6,9 +7,7 @@ from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Form, Query, Request
-from fastapi.responses import JSONResponse
 
-from app.api.schemas import to_job
 from app.errors import NotFound, NotReady
 from app.jobs.door import Door, JobView
 from app.results.formats import LINE_CHARS, CueOptions
@@ -62,22 +61,3 @@ def cue_form(
     max_cue_s: Annotated[float | None, Form(ge=1, le=600, description=CUE_S_HELP)] = None,
 ) -> CueOptions:
     return CueOptions(max_line_width, max_line_count, max_cue_s)
-
-
-async def job_answer(d: Door, job_id: str, owner: str | None, wait: bool,
-                     replayed: bool = False) -> JSONResponse:
-    """POST /transcribe's answer for a committed job: 202 with the job, or with ``wait`` the job
-    once it ends (200), or as it stands when the wait times out (202). ``replayed``: the job was
-    made by an earlier request with the same Idempotency-Key (app/api/idempotency.py)."""
-    if wait:
-        # On timeout the job keeps running; the client gets 202 and polls status_url.
-        await d.wait(job_id, d.settings.limits.sync_timeout_s)
-    view = await d.get(job_id, owner)
-    if view is None:  # expired between its commit (or lookup) and now
-        raise NotFound(f"no job {job_id!r}", job_id=job_id)
-    job = to_job(view)
-    headers = {"Location": job.status_url}
-    if replayed:
-        headers["Idempotent-Replayed"] = "true"
-    code = 200 if wait and view.ended else 202
-    return JSONResponse(job.model_dump(mode="json"), status_code=code, headers=headers)

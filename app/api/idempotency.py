@@ -50,5 +50,5 @@ def parse_key(raw: str | None) -> str | None:
         key = key[1:-1]
     if not key or len(key) > MAX_KEY_CHARS or not (key.isascii() and key.isprintable()):
         raise BadRequest(f"{HEADER} must be 1-{MAX_KEY_CHARS} printable ASCII characters",
-                         field=HEADER, headers={"x-should-retry": "false"})
+                         field=HEADER, no_retry=True)
     return key

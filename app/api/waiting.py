@@ -2,8 +2,9 @@
 
 Clients of these APIs hold the request open until the answer; nobody can collect the answer of
 a call whose client hung up (it retries and would pay twice), so the job is cancelled then, as
-the OpenAI route does. A job run by another replica ends there: the door's wait notices through
-the store (:meth:`app.jobs.door.Door.wait`; a job ending here wakes it at once).
+the OpenAI route does. The wait follows the job as every stream does (``Door.follow``,
+app/jobs/events.py): a job ending here wakes it at once, one run by another replica is seen
+when its feed next reads the store (every ``RECHECK_S``).
 """
 
 from __future__ import annotations
@@ -12,25 +13,23 @@ import asyncio
 
 from fastapi import Request
 
-from app.errors import Conflict, ServiceError, TranscriptionFailed, public_error
+from app.api.errors import Restarting, StillRunning
+from app.errors import Conflict, TranscriptionFailed, public_error
 from app.jobs.door import Door, JobView
 
-
-class StillRunning(ServiceError):
-    status_code = 504
-    error_type = "timeout"
+__all__ = ["Conflict", "Restarting", "StillRunning", "ended_or_gone", "wait_for_job"]
 
 
-class Restarting(ServiceError):
-    status_code = 503
-    error_type = "shutting_down"
+async def _until_over(d: Door, job_id: str, owner: str | None, timeout_s: float) -> None:
+    with d.follow(job_id, owner) as sub:
+        await sub.until_over(timeout_s)
 
 
 async def ended_or_gone(request: Request, d: Door, job_id: str, owner: str | None,
                         timeout_s: float) -> tuple[JobView | None, bool]:
     """Wait until the job ends (here or on another replica), the client disconnects or
     ``timeout_s`` passes: the job then, and whether the client left."""
-    waiting = asyncio.create_task(d.wait(job_id, timeout_s))
+    waiting = asyncio.create_task(_until_over(d, job_id, owner, timeout_s))
     gone = asyncio.create_task(_disconnected(request))
     try:
         await asyncio.wait({waiting, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -52,7 +51,7 @@ async def wait_for_job(request: Request, d: Door, job_id: str, owner: str | None
         if left:
             raise Conflict(f"the client disconnected; job {job_id} was cancelled", job_id=job_id)
         raise Restarting("the service is restarting; retry the request", job_id=job_id,
-                         headers={"Retry-After": "1"})
+                         retry_after=1)
     if row.status == "done" and row.result is not None:
         return row
     if row.status == "failed":

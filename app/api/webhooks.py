@@ -12,7 +12,7 @@ from fastapi import APIRouter, Depends
 from pydantic import BaseModel, Field
 
 from app.api.deps import Caller, caller, door
-from app.api.schemas import ErrorBody
+from app.api.errors import ErrorBody
 from app.errors import BadRequest
 from app.jobs.door import Door
 

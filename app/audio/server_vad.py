@@ -18,76 +18,23 @@ Uploads here are always cut at pauses by Silero VAD with faster-whisper's span r
 A field left out keeps the service's default, not OpenAI's realtime defaults (300 ms padding,
 200 ms silence), which would change every transcript. Spans then become <= 30 s windows as
 always, so the knobs decide what audio reaches the model and where windows start and end.
-Invalid values (unknown type or field, out of range, not a number) are a 400 in OpenAI's shape
-naming ``chunking_strategy``. With the pyannote VAD (``BATCHSCRIBE_PREP__VAD=pyannote``) a
-``server_vad`` object is refused: its rules are whisperx's, with no such knobs.
+The request's field is read by the OpenAI API (app/api/openai/protocol.py: invalid values are a
+400 naming ``chunking_strategy``); here the settings meet the VAD. With the pyannote VAD
+(``BATCHSCRIBE_PREP__VAD=pyannote``) a ``server_vad`` object is refused: its rules are
+whisperx's, with no such knobs.
 """
 
 from __future__ import annotations
 
-import json
-import math
 from collections.abc import Mapping
-from typing import Any
 
 import numpy as np
 
 from app.audio.spans import SpanTracker
 from app.audio.vad import SileroStream, SileroVad, Vad, VadStream, whole
+from app.errors import InvalidChunking
 
-FIELD = "chunking_strategy"
-LIMITS = {"threshold": (0.0, 1.0), "prefix_padding_ms": (0, 5000),
-          "silence_duration_ms": (0, 10_000)}
 MIN_SILENCE_MS = 160  # the service's (SpanTracker's default)
-
-
-class InvalidChunking(ValueError):
-    """Not a chunking strategy this service can follow; the API answers 400."""
-
-
-def parse(raw: str | None, fields: Mapping[str, str]) -> dict[str, float] | None:
-    """The request's ``server_vad`` settings (only those given), or None for ``auto``/absent.
-    ``fields``: the form's ``chunking_strategy[...]`` fields, by their inner name."""
-    obj: dict[str, Any]
-    if fields:
-        if raw is not None:
-            raise InvalidChunking("give chunking_strategy as a string or as fields, not both")
-        obj = dict(fields)
-    elif raw is None or raw.strip() == "auto":
-        return None
-    else:
-        try:
-            loaded = json.loads(raw)
-        except ValueError as exc:
-            raise InvalidChunking('chunking_strategy is "auto" or a server_vad object') from exc
-        if not isinstance(loaded, dict):
-            raise InvalidChunking('chunking_strategy is "auto" or a server_vad object')
-        obj = loaded
-    if obj.get("type") != "server_vad":
-        raise InvalidChunking(f"chunking_strategy type must be server_vad, not {obj.get('type')!r}")
-    unknown = sorted(set(obj) - {"type", *LIMITS})
-    if unknown:
-        raise InvalidChunking(f"unknown chunking_strategy field(s): {', '.join(unknown)}")
-    out: dict[str, float] = {}
-    for name, (lo, hi) in LIMITS.items():
-        if name not in obj:
-            continue
-        value = _number(obj[name], name, integer=isinstance(lo, int))
-        if not lo <= value <= hi:
-            raise InvalidChunking(f"chunking_strategy {name} must be {lo}-{hi}, got {value}")
-        out[name] = value
-    return out
-
-
-def _number(v: Any, name: str, integer: bool) -> float:
-    try:
-        f = float(v) if not isinstance(v, bool) else math.nan
-    except (TypeError, ValueError):
-        f = math.nan
-    if not math.isfinite(f) or (integer and f != int(f)):
-        kind = "an integer" if integer else "a number"
-        raise InvalidChunking(f"chunking_strategy {name} must be {kind}, got {v!r}")
-    return int(f) if integer else f
 
 
 def tracker(settings: Mapping[str, float], pad_s: float) -> SpanTracker:

@@ -76,7 +76,7 @@ class Request:
 
 def default_beams(settings: Settings, language: str | None,
                   beam_size: int | None) -> tuple[int, int | None]:
-    """The API's rule (app/api/transcribe.default_beams): the asked beam for all; else the
+    """The API's rule (app/api/uploads.decode_options): the asked beam for all; else the
     English default for English, the other default for the rest, decided now when the language
     is given and per window by the engine when it is detected."""
     if beam_size:

@@ -98,7 +98,7 @@ class Admission:
             self._metrics.rejected.labels("backlog").inc()
             raise Overloaded(
                 f"the queue holds {backlog:.0f} s of audio (limit {limit:.0f} s); "
-                f"retry in about {retry} s", headers={"Retry-After": str(retry)},
+                f"retry in about {retry} s", retry_after=retry,
                 retry_after_s=retry, backlog_s=round(backlog, 1), limit_s=limit,
                 limit="max_backlog_s",
             )
@@ -137,7 +137,7 @@ class Admission:
             raise Overloaded(
                 f"this API key has {jobs} jobs queued or running (limit "
                 f"{lim.max_queued_jobs_per_key} per key); retry in about {retry} s",
-                headers={"Retry-After": str(retry)}, retry_after_s=retry,
+                retry_after=retry, retry_after_s=retry,
                 limit="max_queued_jobs_per_key", limit_jobs=lim.max_queued_jobs_per_key,
                 jobs=jobs)
         if seconds + cost_s > lim.max_queued_s_per_key:
@@ -146,7 +146,7 @@ class Admission:
             raise Overloaded(
                 f"this API key has {seconds:.0f} s of audio queued or running (limit "
                 f"{lim.max_queued_s_per_key:.0f} s per key); retry in about {retry} s",
-                headers={"Retry-After": str(retry)}, retry_after_s=retry,
+                retry_after=retry, retry_after_s=retry,
                 limit="max_queued_s_per_key", limit_s=lim.max_queued_s_per_key,
                 queued_s=round(seconds, 1))
 

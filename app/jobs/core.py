@@ -1,10 +1,11 @@
 """The core behind the door (app/jobs/door.py): what HTTP sees of the job runner, the store,
-admission, the event streams and the engines, in one object built by the lifespan
+admission, the followers of jobs and the engines, in one object built by the lifespan
 (app/main.py) and put on ``app.state.door``.
 
 It holds no logic of its own beyond reading and routing: submissions go to
 :class:`app.jobs.intake.Intake`, the backlog bounds to :class:`app.jobs.admission.Admission`,
-event streams to :class:`app.jobs.events.EventHub`, the work itself to the job runner.
+following a job (every stream, every wait) to the runner's :class:`app.jobs.events.EventHub`,
+the work itself to the job runner.
 """
 
 from __future__ import annotations
@@ -12,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from contextlib import AbstractContextManager
 from dataclasses import replace
 from pathlib import PurePath
 from typing import Any
@@ -21,11 +21,11 @@ from prometheus_client import generate_latest
 
 from app.audio import server_vad
 from app.config import Settings
-from app.errors import NO_RETRY, BadRequest
+from app.errors import BadRequest
 from app.jobs.admission import Admission
 from app.jobs.blobs import BlobStore
 from app.jobs.door import Health, LiveCall, LiveEnd, Readiness, ServiceStatus, Upload
-from app.jobs.events import EventHub, Subscription
+from app.jobs.events import Subscription
 from app.jobs.fetching import Fetches
 from app.jobs.intake import Intake
 from app.jobs.live import LiveHall
@@ -75,8 +75,7 @@ class Core:
                               runner.submit, self._fetches)
         self._live = live
         live.share(self._admission)  # its sessions' audio counts in their keys' shares
-        self._hub = EventHub(settings.limits.max_event_streams_per_key, self._read,
-                             runner.watch, lambda: runner.stopped)
+        self._hub = runner.events  # how every stream and wait follows a job
         metrics.watch_outbound(outbound.slots.by_kind, lambda: dict(outbound.cut_offs))
 
     @property
@@ -87,13 +86,8 @@ class Core:
     def check_speakers(self) -> None:
         self._pipeline.speakers.check()  # off: 400; models that failed to load: 503
 
-    def chunking(self, raw: str | None, fields: dict[str, str]) -> dict[str, float] | None:
-        try:
-            settings = server_vad.parse(raw, fields)
-            server_vad.vad_for(self._pipeline.vad, settings)  # a VAD that cannot take them: 400
-        except server_vad.InvalidChunking as exc:
-            raise BadRequest(str(exc), field="chunking_strategy", headers=NO_RETRY) from exc
-        return settings
+    def check_chunking(self, settings: dict[str, float] | None) -> None:
+        server_vad.vad_for(self._pipeline.vad, settings)  # a VAD that cannot take them: 400
 
     async def known_speakers(self, names: Sequence[str], clips: Sequence[bytes | str],
                              names_field: str, refs_field: str,
@@ -128,10 +122,6 @@ class Core:
             return replace(view, fetched_bytes=self._fetches.received(row.id))
         return view
 
-    async def _read(self, job_id: str) -> JobView | None:
-        row = await self._store.get(job_id)
-        return self._view(row) if row is not None else None
-
     async def _own(self, job_id: str, owner: str | None) -> JobRow | None:
         row = await self._store.get(job_id)
         # Another tenant's job is "not found", not "forbidden": ids must not leak.
@@ -155,14 +145,8 @@ class Core:
         self._fetches.cancel(job_id)  # a download still running stops here
         return await self.get(job_id, owner)
 
-    async def wait(self, job_id: str, timeout_s: float) -> None:
-        await self._runner.wait_ended(job_id, timeout_s)
-
-    def events(self, job_id: str, owner: str | None) -> Subscription:
-        return self._hub.open(job_id, owner)
-
-    def watch(self, job_id: str) -> AbstractContextManager[asyncio.Event]:
-        return self._runner.watch(job_id)
+    def follow(self, job_id: str, owner: str | None, *, capped: bool = False) -> Subscription:
+        return self._hub.follow(job_id, owner, capped=capped)
 
     def finished_texts(self, job_id: str, start: int) -> list[str] | None:
         return self._runner.finished_prefix(job_id, start)
@@ -175,7 +159,7 @@ class Core:
     def live_session(self, session: Any) -> tuple[dict[str, Any], dict[str, Any]]:
         checked = parse_session(session)
         if isinstance(checked, ProtocolError):
-            raise BadRequest(checked.message, field=checked.param, headers=NO_RETRY)
+            raise BadRequest(checked.message, field=checked.param, no_retry=True)
         return (checked.model_dump(mode="json", exclude_unset=True),
                 opened_with(checked, self.settings.live))
 

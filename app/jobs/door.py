@@ -1,37 +1,36 @@
 """The one door between HTTP and the core: everything a router asks of the service.
 
-Routers (``app/api``) import this module, ``app.jobs.events``' stream types through it, and the
-API types (``app/results``, ``app/api/schemas.py``): nothing else of ``app/jobs``, and nothing
-of the pipeline behind it (an import-linter contract in pyproject.toml keeps it so). The shape
+Routers (``app/api``) import this module (with the types that cross it: the job's view, an
+event subscription, a transfer's hold), the plain data modules of the vocabulary
+(``app.engine.languages``, ``app.speakers.limits``) and the API types (``app/results``):
+nothing else of ``app/jobs``, and nothing of the pipeline behind it (an import-linter contract
+in pyproject.toml keeps it so). Constants the routes need live where they belong, not here. The shape
 is text-embeddings-inference's ``Infer`` and vLLM's ``EngineClient``: one small interface,
 implemented by the core (:class:`app.jobs.core.Core`), that a test can replace with a fake.
 
 What crosses it are plain values, not the core's objects: an :class:`Upload` goes in (handed
 over once: from the call on, the core owns its file whatever happens, and removes it when the
 upload is refused or loses an idempotency race), a :class:`JobView` comes out (a job as its owner
-may see it, with this replica's live progress), and an event :class:`Subscription` per stream.
+may see it, with this replica's live progress), and a :class:`Subscription` to the job's feed
+for whatever follows a job: every event stream and every wait (app/jobs/events.py).
 """
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Awaitable, Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
 from app.config import Settings
-from app.jobs.events import KEEPALIVE_S, EventFeed, Subscription
+from app.jobs.events import EventFeed, Subscription
 from app.jobs.transfers import Hold
-from app.jobs.views import TERMINAL, JobView
+from app.jobs.views import JobView
 from app.metrics import Metrics
-from app.speakers.named import MAX_KNOWN, PART_BYTES
 from app.windows import JobOptions
 
-__all__ = ["KEEPALIVE_S", "MAX_KNOWN", "PART_BYTES", "TERMINAL", "Door", "EventFeed", "Health",
-           "Hold", "JobView", "LiveCall", "LiveEnd", "Readiness", "ServiceStatus", "Subscription",
-           "Upload", "Writer"]
+__all__ = ["Door", "EventFeed", "Health", "Hold", "JobView", "LiveCall", "LiveEnd", "Readiness",
+           "ServiceStatus", "Subscription", "Upload", "Writer"]
 
 # Copies the request's audio to the path the core gives, refusing more than the byte limit
 # (PayloadTooLarge); returns the bytes written. Blocking: the core runs it on a worker thread.
@@ -131,20 +130,19 @@ class Door(Protocol):
         """400 when diarization is off here, 503 while its models cannot load."""
         ...
 
-    def chunking(self, raw: str | None, fields: dict[str, str]) -> dict[str, float] | None:
-        """OpenAI's ``chunking_strategy`` (``raw``, or its ``chunking_strategy[...]`` form
-        ``fields``) as the request's VAD settings (None: the service's); 400 naming the field
-        when invalid or when this service's VAD cannot take them."""
+    def check_chunking(self, settings: dict[str, float] | None) -> None:
+        """400 naming ``chunking_strategy`` when this service's VAD cannot cut uploads by a
+        request's ``server_vad`` settings (the pyannote VAD has no such knobs)."""
         ...
 
     async def known_speakers(self, names: Sequence[str], clips: Sequence[bytes | str],
                              names_field: str, refs_field: str,
                              owner: str | None = None) -> list[dict[str, Any]]:
         """Named speakers' voices for a job's ``known_speakers`` option, from their names and
-        reference clips (bytes, or OpenAI's data URLs; at most ``MAX_KNOWN``): 400 naming the
-        field for a bad one (probed behind the allow-lists first), 429 when their audio does
-        not fit ``owner``'s share (charged while they are decoded); loads the speaker models if
-        nobody has asked for them yet."""
+        reference clips (bytes, or OpenAI's data URLs; at most ``MAX_KNOWN``, in
+        app/speakers/limits.py): 400 naming the field for a bad one (probed behind the
+        allow-lists first), 429 when their audio does not fit ``owner``'s share (charged while
+        they are decoded); loads the speaker models if nobody has asked for them yet."""
         ...
 
     async def gate(self, owner: str | None) -> None:
@@ -188,17 +186,13 @@ class Door(Protocol):
         """Cancel a queued or running job (idempotent): the job as it stands then."""
         ...
 
-    async def wait(self, job_id: str, timeout_s: float) -> None:
-        """Until the job ends (here, or on another replica: the store is re-read every
-        ``app.jobs.runner.RECHECK_S``), the service stops, or ``timeout_s`` passes."""
-        ...
-
-    def events(self, job_id: str, owner: str | None) -> Subscription:
-        """A progress stream on the job (429 past ``limits.max_event_streams_per_key``)."""
-        ...
-
-    def watch(self, job_id: str) -> AbstractContextManager[asyncio.Event]:
-        """An event set whenever the job changes on this replica; clear it before reading."""
+    def follow(self, job_id: str, owner: str | None, *, capped: bool = False) -> Subscription:
+        """Follow the job: the one way every stream and every wait does (app/jobs/events.py).
+        The subscription's ``wake`` is set whenever its ``feed`` has news (a change here, or a
+        re-read every ``RECHECK_S`` for a job another replica runs); the feed is ``over`` once
+        the job ended (``final``), is gone, or the service has drained (``closed``). Release
+        it (or use it in a ``with``). ``capped``: an event stream the client opened for its own
+        sake (GET /jobs/{id}/events), 429 past ``limits.max_event_streams_per_key``."""
         ...
 
     def finished_texts(self, job_id: str, start: int) -> list[str] | None:

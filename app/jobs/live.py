@@ -2,7 +2,7 @@
 (:class:`app.live.session.LiveSession` on the shared batcher and Silero), its metrics, and its
 transcript kept as a job once it closes.
 
-The transport (``app/api/realtime.py``) hands over a :class:`app.jobs.door.LiveCall`: how to
+The transport (``app/api/realtime``) hands over a :class:`app.jobs.door.LiveCall`: how to
 accept the socket, read a message and send an event. Everything after that is here, so the API
 module only moves bytes.
 
@@ -27,8 +27,9 @@ module only moves bytes.
 * **Kept as a job**: with ``live.keep_as_job`` the job id is fixed before the handshake
   (the ``x-batchscribe-job`` response header) and the row is written, finished, when the
   session ends however it ends (client gone, limit, drain): every committed turn's final is
-  awaited first (the session's wind-down), so nothing said is lost to a disconnect. Its webhook
-  goes out as any finished job's.
+  awaited first (the session's wind-down), so nothing said is lost to a disconnect. Its end is
+  told where every job's is (the event hub, app/jobs/events.py): counted in ``jobs_finished``,
+  its followers woken, its webhook sent.
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ class LiveHall:
         self._metrics, self._store, self._batcher = metrics, store, batcher
         self._vad: VadModel | None = vad if hasattr(vad, "probability_stream") else None  # type: ignore[assignment]
         self._outbound = outbound
-        self._ended = ended  # the runner's end hooks: webhooks wake on a kept session
+        self._ended = ended  # the event hub's end: counted, its followers, its webhook
         self._executor = ThreadPoolExecutor(LIVE_THREADS, thread_name_prefix="live")
         self._open: Counter[str | None] = Counter()  # this replica's sessions per key
         # Per key across replicas sharing PostgreSQL (app/jobs/holds.py); SQLite: _open alone.

@@ -112,7 +112,8 @@ class Pipeline:
     def live_hall(self, store: JobStore, outbound: OutboundGuard,
                   ended: Callable[[str, str], None]) -> LiveHall:
         """The live sessions' hall (service only: it keeps sessions as jobs in ``store``);
-        ``ended`` hears of a kept session's end (the runner's end hooks: webhooks)."""
+        ``ended`` is told a kept session's end, as every job's (the runner's event hub:
+        ``jobs_finished``, followers, webhooks)."""
         return LiveHall(self.settings, self.metrics, store, self.batcher, self.vad, outbound,
                         ended)
 

@@ -5,7 +5,9 @@ once (:class:`app.jobs.work.JobWork`); results are reassembled in time order. Jo
 only as fast as prep starts them (about ``prep workers + 1`` claimed and not started), so a
 replica never sits on work another could start, and a drain gives unstarted jobs back at no
 cost. The job's work and housekeeping (app/jobs/upkeep.py) hold no reference to the runner:
-they get its shared parts and a few callbacks (``Tools``, ``Hooks``).
+they get its shared parts and a few callbacks (``Tools``, ``Hooks``). Whoever follows a job
+(event streams, waits) does so through the runner's event hub (``events``, app/jobs/events.py),
+which the runner tells of every change and every end.
 """
 
 from __future__ import annotations
@@ -14,8 +16,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +25,11 @@ from app.config import Settings
 from app.errors import ServiceError, ShuttingDown, TranscriptionFailed
 from app.jobs.admission import Backlog
 from app.jobs.blobs import BlobStore, drop_upload, make_blobs
+from app.jobs.events import EventHub
 from app.jobs.prep import PrepPool
 from app.jobs.store import TERMINAL, JobRow, JobStore
 from app.jobs.upkeep import Hooks, Upkeep
+from app.jobs.views import JobView
 from app.jobs.work import Active, JobWork, Outcome, Tools
 from app.metrics import Metrics
 from app.results.logprobs import entries as logprob_entries
@@ -37,7 +39,6 @@ from app.speakers.service import SpeakerService
 from app.windows import JobOptions, WindowResult
 
 log = logging.getLogger(__name__)
-RECHECK_S = 15.0  # a job run by another replica: how often a wait re-reads the store
 
 
 class JobRunner:
@@ -56,10 +57,8 @@ class JobRunner:
         self.active: dict[str, Active] = {}
         self.prep = prep  # app/jobs/pipeline.py makes it
         self._wake = asyncio.Event()
-        self._done_events: dict[str, asyncio.Event] = {}
-        # One event per subscriber (SSE), set on any change of the job: progress, status, end.
-        self._watchers: dict[str, set[asyncio.Event]] = {}
-        self.on_end: list[Callable[[str, str], None]] = []  # (job_id, status): webhooks wake-up
+        # How jobs are followed (streams, waits), told of every change and end here.
+        self.events = EventHub(settings.limits.max_event_streams_per_key, self.view, metrics)
         self._tasks: list[asyncio.Task[None]] = []
         self._stopping = False
         self._stopped = False  # stop() has finished: nothing more will end in this process
@@ -119,10 +118,8 @@ class JobRunner:
             log.exception("could not requeue this replica's jobs; their leases will expire")
         self._stopped = True
         log.info("drained", extra={"seconds": round(grace_s - (deadline - loop.time()), 2)})
-        for ev in self._done_events.values():
-            ev.set()  # open ?wait=true requests answer now: 202, their job stays queued
-        for job_id in list(self._watchers):
-            self.changed(job_id)  # event streams close too (see ``stopped``)
+        # Open ?wait=true requests answer now (202, their job stays queued); streams close.
+        self.events.stop()
 
     # ---- API side ----------------------------------------------------------------------------
     async def submit(self, job_id: str, upload: Path, filename: str | None, options: JobOptions,
@@ -175,54 +172,22 @@ class JobRunner:
             await drop_upload(self.blobs, job.upload_path)
         return ok
 
-    async def wait(self, job_id: str, timeout: float) -> None:
-        if self._stopped:
-            return
-        ev = self._done_events.setdefault(job_id, asyncio.Event())
-        job = await self.store.get(job_id)
-        if job is None or job.status in TERMINAL:
-            self._done_events.pop(job_id, None)
-            return
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout):  # not wait_for: see app/jobs/webhooks.py
-                await ev.wait()
-
-    async def wait_ended(self, job_id: str, timeout_s: float) -> None:
-        """Until the job ends, here or on another replica, or this runner stops, or
-        ``timeout_s`` passes. A job ending here wakes the wait at once; one ending elsewhere is
-        seen when the store is next read, every ``RECHECK_S``."""
-        deadline = time.monotonic() + timeout_s
-        while (left := deadline - time.monotonic()) > 0 and not self._stopped:
-            await self.wait(job_id, min(left, RECHECK_S))
-            row = await self.store.get(job_id)
-            if row is None or row.status in TERMINAL:
-                return
+    async def view(self, job_id: str) -> JobView | None:
+        """The job as its followers see it: its row, with this replica's live progress."""
+        row = await self.store.get(job_id)
+        return JobView.of(row, self.progress(row.id)) if row is not None else None
 
     @property
     def stopped(self) -> bool:
         return self._stopped
-
-    @contextmanager
-    def watch(self, job_id: str) -> Iterator[asyncio.Event]:
-        """An event set whenever the job changes on this replica; clear it before reading state."""
-        ev = asyncio.Event()
-        self._watchers.setdefault(job_id, set()).add(ev)
-        try:
-            yield ev
-        finally:
-            subs = self._watchers.get(job_id)
-            if subs is not None:
-                subs.discard(ev)
-                if not subs:
-                    del self._watchers[job_id]
 
     def wake(self) -> None:
         """Claim now: a job was queued or requeued, or a slot freed up."""
         self._wake.set()
 
     def changed(self, job_id: str) -> None:
-        for ev in self._watchers.get(job_id, ()):
-            ev.set()
+        """The job changed here (claimed, decoded, a window done): its followers hear of it."""
+        self.events.changed(job_id)
 
     def progress(self, job_id: str) -> tuple[int, int | None] | None:
         a = self.active.get(job_id)
@@ -232,7 +197,7 @@ class JobRunner:
         """The texts of the job's windows ``start``, ``start + 1``, ... up to the first one not
         finished yet, in upload order (windows finish in any order; a stream must not skip one).
         None when the job is not active on this replica: queued, ended, or run by another one.
-        ``watch`` fires once per finished window, so a reader wakes for each."""
+        ``changed`` fires once per finished window, so a follower wakes for each."""
         done = self.finished_windows(job_id, start)
         return None if done is None else [r.text for r in done]
 
@@ -381,19 +346,6 @@ class JobRunner:
             self._job_ended(job.id, "failed", job)
             await drop_upload(self.blobs, job.upload_path)
 
-    def ended_elsewhere(self, job_id: str, status: str) -> None:
-        """A job that ended outside the runner (a live session kept as a job): its end hooks
-        (webhooks)."""
-        for hook in self.on_end:
-            hook(job_id, status)
-
     def _job_ended(self, job_id: str, status: str, job: JobRow) -> None:
-        self.metrics.jobs_finished.labels(status).inc()
-        self.metrics.job_latency.labels(status).observe(time.time() - job.created_at)
-        ev = self._done_events.pop(job_id, None)
-        if ev:
-            ev.set()
-        self.changed(job_id)
-        for hook in self.on_end:
-            hook(job_id, status)
+        self.events.ended(job_id, status, job.created_at)  # counted, followers, webhooks
 

@@ -36,7 +36,7 @@ class Transfers:
             raise Overloaded(
                 f"this API key has {self.cap} uploads or audio_url downloads in flight (limit "
                 f"{self.cap} per key); retry when one has finished",
-                headers={"Retry-After": str(RETRY_AFTER_S)}, retry_after_s=RETRY_AFTER_S,
+                retry_after=RETRY_AFTER_S, retry_after_s=RETRY_AFTER_S,
                 limit="max_transfers_per_key", limit_transfers=self.cap)
         return Hold(self.holds, hold, owner)
 

@@ -1,5 +1,5 @@
 """What the core shows of a job: its store row as its owner may see it, with this replica's
-live progress. A plain value: HTTP renders it (app/api/schemas.py), event streams carry it."""
+live progress. A plain value: HTTP renders it (app/api/native/protocol.py), event streams carry it."""
 
 from __future__ import annotations
 

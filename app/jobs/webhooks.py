@@ -131,7 +131,8 @@ class WebhookDispatcher:
         self._task = asyncio.create_task(self._loop(), name="webhooks")
 
     def wake(self, *_: object) -> None:
-        """Called when a job ends (JobRunner.on_end): its delivery is due now."""
+        """Called when a job ends (the event hub's end hooks, app/jobs/events.py): its delivery
+        is due now."""
         self._wake.set()
 
     async def stop(self, grace_s: float = 5.0) -> None:

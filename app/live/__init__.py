@@ -11,7 +11,7 @@ transport-independent code (issue 34).
 * :mod:`app.live.session`: :class:`~app.live.session.LiveSession`, the state machine, and
   :func:`~app.live.session.serve`, which runs one over any transport
 
-The service runs it at ``/v1/realtime`` (app/api/realtime.py, through the door to
+The service runs it at ``/v1/realtime`` (app/api/realtime, through the door to
 app/jobs/live.py): keys or a short-lived client secret on the handshake, sessions bounded per key
 and in total, decodes through the shared batcher (:func:`~app.live.decoding.batcher_decoder`,
 urgency passed in one place for the batcher's priority classes), the transcript kept as a job.

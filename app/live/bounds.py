@@ -17,7 +17,7 @@ Probed from outside (issue 51), a session could take a replica's memory and its 
   ``max_buffer_s`` before a byte is decoded.
 
 :func:`serve` runs a session over any transport (the ``/v1/realtime`` WebSocket route,
-app/api/realtime.py, through app/jobs/live.py): events go out through one writer task in
+app/api/realtime, through app/jobs/live.py): events go out through one writer task in
 order while the session reads with :func:`first_of`, a read that also ends when the outbox
 overflows.
 """

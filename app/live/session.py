@@ -1,6 +1,6 @@
 """One live session: OpenAI's Realtime transcription protocol as a transport-free state machine.
 
-The transport (the ``/v1/realtime`` WebSocket route, app/api/realtime.py) only moves messages::
+The transport (the ``/v1/realtime`` WebSocket route, app/api/realtime) only moves messages::
 
     session = LiveSession(decode, vad, limits, executor)
     reason = await serve(session, receive, send)   # receive() -> str | bytes | None (gone)

@@ -38,20 +38,13 @@ from urllib.parse import parse_qsl, unquote, urlencode, urlsplit, urlunsplit
 
 from app import audio
 from app.config import Settings
-from app.errors import BadRequest, PayloadTooLarge, ServiceError
+from app.errors import BadRequest, FetchFailed, PayloadTooLarge, ServiceError
 from app.net.outbound import OutboundError, OutboundGuard
 from app.net.s3 import s3_client, s3_location
 
 PROBE_AFTER_BYTES = 1 << 20  # enough for any container header we accept (WAV's is 44 bytes)
 WRITE_BLOCK = 1 << 20
 SECRET_PARAM = re.compile(r"sig|token|key|credential|secret|pass|auth", re.IGNORECASE)
-
-
-class FetchFailed(ServiceError):
-    """The remote end failed (unreachable, timed out, answered 5xx): maybe not for long."""
-
-    status_code = 502
-    error_type = "fetch_failed"
 
 
 @dataclass(frozen=True)

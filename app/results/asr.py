@@ -1,5 +1,5 @@
 """whisper-asr-webservice's answers (``POST /asr``): the shapes its faster-whisper engine's
-writers produce, which Bazarr and similar clients parse (app/api/asr.py serves them)."""
+writers produce, which Bazarr and similar clients parse (app/api/asr serves them)."""
 
 from __future__ import annotations
 

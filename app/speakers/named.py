@@ -29,16 +29,15 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from app.speakers.limits import MAX_KNOWN
 from app.speakers.voices import unit_mean
 
 if TYPE_CHECKING:
     from app.speakers.diarizer import Diarizer
     from app.speakers.service import SpeakerService
 
-MAX_KNOWN = 4  # OpenAI's limit
 MIN_REF_S, MAX_REF_S = 1.5, 30.0  # one crop at least; OpenAI asks for 2-10 s
 MAX_NAME = 100
-PART_BYTES = 4 * 1024 * 1024  # a data URL field: 10 s of 48 kHz stereo 16-bit WAV in base64
 DATA_URL = re.compile(r"^data:(?P<type>[\w.+-]+/[\w.+-]+)?(?:;[\w.+-]+=[\w.+-]+)*;base64,",
                       re.IGNORECASE)
 
@@ -165,7 +164,7 @@ async def reference_voices(service: SpeakerService | None, names: Sequence[str],
     it: issue 51 found references decoded and embedded before the main audio was admitted,
     uncharged, on the one shared speaker thread, and past the codec allow-list. The speaker
     models are loaded first if nobody has asked for them yet."""
-    from app.errors import NO_RETRY, BadRequest, DiarizationOff
+    from app.errors import BadRequest, DiarizationOff
 
     if service is None:
         raise DiarizationOff("speaker diarization is not available on this service",
@@ -179,4 +178,4 @@ async def reference_voices(service: SpeakerService | None, names: Sequence[str],
             async with (admit(seconds) if admit is not None else contextlib.nullcontext()):
                 return await known_voices(await service.diarizer(), clean, paths, refs_field)
     except BadReference as exc:
-        raise BadRequest(str(exc), field=exc.field, headers=NO_RETRY) from exc
+        raise BadRequest(str(exc), field=exc.field, no_retry=True) from exc

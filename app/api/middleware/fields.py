@@ -16,7 +16,7 @@ from __future__ import annotations
 from python_multipart.multipart import MultipartParser, parse_options_header
 
 from app.errors import PayloadTooLarge
-from app.jobs.door import MAX_KNOWN, PART_BYTES
+from app.speakers.limits import MAX_KNOWN, PART_BYTES
 
 FIELD_BYTES = 64 * 1024  # any other field (app/main.py FORM_LIMITS' max_part_size)
 # Per route: field name -> (bytes per field, fields of that name at most).

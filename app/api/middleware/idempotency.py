@@ -6,10 +6,10 @@ from __future__ import annotations
 from starlette.datastructures import QueryParams
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.api.deps import job_answer
+from app.api.errors import edge_reply
 from app.api.idempotency import parse_key
-from app.api.middleware.limits import MULTIPART_SLACK, too_large
-from app.api.middleware.reply import declared_length, send_error
+from app.api.middleware.limits import MULTIPART_SLACK, declared_length, too_large
+from app.api.native.serving import job_answer
 from app.errors import BadRequest, ServiceError
 from app.jobs.door import Door
 
@@ -34,21 +34,21 @@ class IdempotencyGate:
         try:
             key = parse_key(raw)
         except BadRequest as exc:
-            await send_error(send, exc, scope["path"], close=True)
+            await edge_reply(exc, scope["path"]).send(send, close=True)
             return
         wait = QueryParams(scope.get("query_string", b"").decode("latin-1")).get("wait", "false")
         owner = scope.get("state", {}).get("owner")  # set by the API key middleware, outside
         try:
             first = await door.replay(owner, key) if key and wait.lower() in TRUE | FALSE else None
         except ServiceError as exc:  # outside the routes' handlers: rendered here (503)
-            await send_error(send, exc, scope["path"], close=True)
+            await edge_reply(exc, scope["path"]).send(send, close=True)
             return
         if first is None:  # unknown key (or a request the route must reject): the normal path
             await self.app(scope, receive, send)
             return
         limit = door.settings.limits.max_upload_bytes
         if not await _discard_body(scope, receive, limit + MULTIPART_SLACK):
-            await send_error(send, too_large(limit), scope["path"], close=True)
+            await edge_reply(too_large(limit), scope["path"]).send(send, close=True)
             return
         answer = await job_answer(door, first.id, owner, wait.lower() in TRUE, replayed=True)
         await answer(scope, receive, send)

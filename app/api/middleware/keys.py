@@ -36,10 +36,10 @@ from typing import Any
 from fastapi import FastAPI
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.api.middleware.reply import deny, send_error
+from app.api.errors import MisdirectedHost, OpenWithoutKeys, Unauthorized, edge_reply
 from app.api.middleware.secrets import ClientSecrets, bearer_token, handshake_tokens, is_secret
 from app.config import SecuritySettings, Settings
-from app.errors import NotFound, ServiceError
+from app.errors import NotFound
 from app.web import PAGE_PATHS
 
 log = logging.getLogger(__name__)
@@ -49,16 +49,6 @@ REALM = "batchscribe"
 DOC_PATHS = frozenset({"/openapi.json", "/docs"})  # its assets: PAGE_PATHS
 HEALTH_PATHS = frozenset({"/healthz", "/readyz"})
 METRICS_PATHS = frozenset({"/metrics"})
-
-
-class Unauthorized(ServiceError):
-    status_code = 401
-    error_type = "unauthorized"
-
-
-class MisdirectedHost(ServiceError):
-    status_code = 421
-    error_type = "host_not_allowed"
 
 
 LOOPBACK_NAMES = frozenset({"localhost", "localhost.localdomain", "ip6-localhost"})
@@ -98,11 +88,6 @@ def host_header(scope: Scope) -> str:
                 return host[: host.find("]") + 1] if "]" in host else host
             return host.rsplit(":", 1)[0] if host.count(":") == 1 else host
     return ""
-
-
-class OpenWithoutKeys(ServiceError):
-    status_code = 503
-    error_type = "open_without_keys"
 
 
 OPEN_WITHOUT_KEYS = ("this service has no API keys and was reached on an address other "
@@ -154,16 +139,16 @@ class LoopbackHostMiddleware:
             if scope["type"] == "websocket":
                 await send({"type": "websocket.close", "code": 1008})
                 return
-            await send_error(send, OpenWithoutKeys(OPEN_WITHOUT_KEYS, headers={
-                "x-should-retry": "false"}), scope["path"], close=True)
+            await edge_reply(OpenWithoutKeys(OPEN_WITHOUT_KEYS), scope["path"]).send(
+                send, close=True)
             return
         if scope["type"] == "websocket":  # a live socket: the same Host rule, no key to cut
             if self.allowed(host_header(scope)):
                 await self.app(scope, receive, send)
             else:
-                await deny(scope, send, MisdirectedHost("this service has no API keys and "
-                                                        "answers only requests addressed to "
-                                                        "localhost"))
+                refusal = MisdirectedHost("this service has no API keys and answers only "
+                                          "requests addressed to localhost")
+                await edge_reply(refusal, scope["path"]).deny(scope, send)
             return
         if scope["type"] != "http":
             await self.app(scope, receive, send)
@@ -171,7 +156,7 @@ class LoopbackHostMiddleware:
         # A key in the path (a Bazarr base URL kept from a keyed set-up) is cut before anything
         # logs it and then ignored, as a header's key is here; off its two routes it is a 404.
         if path_key(scope) is not None and scope["path"] not in PATH_KEY_ROUTES:
-            await send_error(send, NotFound(PATH_KEY_ONLY, path=scope["path"]), scope["path"])
+            await edge_reply(NotFound(PATH_KEY_ONLY, path=scope["path"]), scope["path"]).send(send)
             return
         if scope["path"] in self.open or self.allowed(host_header(scope)):
             await self.app(scope, receive, send)
@@ -179,7 +164,7 @@ class LoopbackHostMiddleware:
         err = MisdirectedHost(
             "this service has no API keys and answers only requests addressed to localhost; "
             "configure keys, or list this name in BATCHSCRIBE_SECURITY__TRUSTED_HOSTS")
-        await send_error(send, err, scope["path"])
+        await edge_reply(err, scope["path"]).send(send)
 
 
 def key_digest(key: str) -> str:
@@ -295,7 +280,8 @@ class ApiKeyMiddleware:
                                "an API key is required: send 'Authorization: Bearer <key>', or "
                                "a client secret as the subprotocol 'openai-insecure-api-key.<secret>'",
                                scheme="Bearer")
-            await deny(scope, send, err, [(b"www-authenticate", f'Bearer realm="{REALM}"'.encode())])
+            await edge_reply(err, scope["path"]).deny(
+                scope, send, [(b"www-authenticate", f'Bearer realm="{REALM}"'.encode())])
             return
         scope.setdefault("state", {})["owner"] = owner
         await self.app(scope, receive, send)
@@ -313,7 +299,7 @@ class ApiKeyMiddleware:
 
     @staticmethod
     async def _send(send: Send, err: Unauthorized, path: str, challenge: str) -> None:
-        await send_error(send, err, path, extra=[(b"www-authenticate", challenge.encode())])
+        await edge_reply(err, path).send(send, extra=[(b"www-authenticate", challenge.encode())])
 
 
 def install_security(app: FastAPI, settings: SecuritySettings,

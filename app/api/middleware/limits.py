@@ -5,7 +5,7 @@ Body size: audio routes (``UPLOAD_PATHS``) take ``limits.max_upload_bytes`` of m
 each form field its own limit as it streams, app/api/middleware/fields.py);
 everything else, and a JSON body on any route, at most ``MAX_JSON_BYTES`` (64 KiB: issue 51
 measured an 8 MiB JSON body answered 200 by ``POST /v1/realtime/client_secrets``, read whole).
-Two checks, both answering 413 with the JSON error body of :mod:`app.errors`:
+Two checks, both answering 413 with the JSON error body (app/api/errors.py):
 
 * a declared ``Content-Length`` over the limit is refused before a byte of the body is read;
 * otherwise (chunked uploads, or a lying length) the bytes are counted as they arrive and the
@@ -13,7 +13,7 @@ Two checks, both answering 413 with the JSON error body of :mod:`app.errors`:
   parts to a temporary file past 1 MiB, so an upload is never held whole in memory either way.
 
 The exact per-file limit (``limits.max_upload_bytes``) is checked again when the upload is copied
-to the spool (:func:`app.api.transcribe.spool_upload`); this layer allows a little multipart
+to the spool (:func:`app.api.uploads.spool_upload`); this layer allows a little multipart
 framing on top so that a file of exactly the limit is accepted.
 
 Why the response is swapped rather than rendered by an exception handler: an exception raised
@@ -32,9 +32,9 @@ from __future__ import annotations
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from app.api.errors import edge_reply
 from app.api.json_form import MAX_JSON_BYTES
 from app.api.middleware.fields import FIELD_LIMITS, FieldMeter
-from app.api.middleware.reply import declared_length, send_error
 from app.errors import PayloadTooLarge, ServiceError
 from app.jobs.door import Door
 
@@ -51,6 +51,16 @@ def header(scope: Scope, wanted: bytes) -> str:
 
 def content_type(scope: Scope) -> str:
     return header(scope, b"content-type").split(";")[0].strip().lower()
+
+
+def declared_length(scope: Scope) -> int | None:
+    """The request's ``Content-Length``; None when absent or malformed (the server rejects a
+    malformed length before we run)."""
+    value = header(scope, b"content-length")
+    try:
+        return int(value) if value else None
+    except ValueError:
+        return None
 
 
 def too_large(limit: int, received: int | None = None) -> PayloadTooLarge:
@@ -98,7 +108,7 @@ class _Guard:
             if self.error is not None and not self.started:
                 self.replaced = True
                 self.started = True
-                await send_error(self._send, self.error, self.path, close=True)
+                await edge_reply(self.error, self.path).send(self._send, close=True)
                 return
             self.started = True
         elif message["type"] == "http.response.body" and self.replaced:
@@ -124,7 +134,7 @@ class BodyLimitMiddleware:
         limit, max_body = self.limits(scope)
         declared = declared_length(scope)
         if declared is not None and declared > max_body:
-            await send_error(send, too_large(limit, declared), scope["path"], close=True)  # unread
+            await edge_reply(too_large(limit, declared), scope["path"]).send(send, close=True)  # unread
             return
         ctype = content_type(scope)
         fields = FIELD_LIMITS.get(scope["path"])
@@ -136,7 +146,7 @@ class BodyLimitMiddleware:
         except PayloadTooLarge as exc:  # escaped the app unrendered (e.g. raised by a stream)
             if guard.started:
                 raise
-            await send_error(send, exc, scope["path"], close=True)
+            await edge_reply(exc, scope["path"]).send(send, close=True)
 
 
 class BacklogGate:
@@ -164,7 +174,7 @@ class BacklogGate:
                 await door.gate(owner)  # the key's share, its transfers included
             hold = await door.transfer(owner)
         except ServiceError as exc:  # 429 (or 503: the store away): outside the routes' handlers
-            await send_error(send, exc, scope["path"], close=True)
+            await edge_reply(exc, scope["path"]).send(send, close=True)
             return
         try:
             async def receiving() -> Message:

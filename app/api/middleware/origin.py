@@ -17,21 +17,14 @@ the service's own page sends its own origin, and is served. It is a pure ASGI cl
 
 from __future__ import annotations
 
-import json
 from urllib.parse import urlsplit
 
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from app.api.middleware.reply import send_error
-from app.errors import NO_RETRY, ServiceError
+from app.api.errors import CrossSiteRefused, edge_reply
 
 SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 DEFAULT_PORTS = {"http": 80, "https": 443, "ws": 80, "wss": 443}
-
-
-class CrossSiteRefused(ServiceError):
-    status_code = 403
-    error_type = "cross_site_refused"
 
 
 REFUSAL = ("a web page on another site may not send this request (its Origin or Sec-Fetch-Site "
@@ -107,21 +100,8 @@ class CrossSiteGuard:
         if not guarded or not cross_site(scope, self.allowed):
             await self.app(scope, receive, send)
             return
-        err = CrossSiteRefused(REFUSAL, headers=dict(NO_RETRY))
+        reply = edge_reply(CrossSiteRefused(REFUSAL), scope["path"])
         if kind == "http":
-            await send_error(send, err, scope["path"], close=True)
+            await reply.send(send, close=True)
             return
-        await refuse_socket(scope, send, err)
-
-
-async def refuse_socket(scope: Scope, send: Send, err: ServiceError) -> None:
-    """Refuse a WebSocket handshake: the same JSON 403 where the server can send an HTTP answer
-    to a handshake (ASGI's ``websocket.http.response`` extension), else a plain close (a 403)."""
-    if "websocket.http.response" not in scope.get("extensions", {}):
-        await send({"type": "websocket.close", "code": 1008})
-        return
-    body = json.dumps(err.body_for(scope["path"])).encode()
-    await send({"type": "websocket.http.response.start", "status": err.status_code,
-                "headers": [(b"content-type", b"application/json"),
-                            (b"content-length", str(len(body)).encode())]})
-    await send({"type": "websocket.http.response.body", "body": body})
+        await reply.deny(scope, send)  # the same JSON 403 where the server can send one

@@ -1,10 +1,10 @@
 """GET /jobs/{id}/events: a job's progress as Server-Sent Events, until it ends.
 
-Event-driven and shared: every stream on a job reads one :class:`app.jobs.events.EventFeed`
-(through the door), which reads the store when the job runner says the job changed (claimed,
-decoded, a window done, ended), or every ``KEEPALIVE_S`` for a job running on another replica.
-Streams are capped per API key (``limits.max_event_streams_per_key``, 429). The keep-alive lets
-a vanished client be noticed on the next write.
+Event-driven and shared: every stream on a job follows its one feed (``Door.follow``,
+app/jobs/events.py), which reads the store when the job runner says the job changed (claimed,
+decoded, a window done, ended), or every ``RECHECK_S`` for a job running on another replica.
+Streams are capped per API key (``limits.max_event_streams_per_key``, 429). A keep-alive
+comment after ``KEEPALIVE_S`` without news lets a vanished client be noticed on the next write.
 
 Events: ``progress`` (status, windows_done, windows_total) while queued or running, then one
 final event named after the final status (``done``, ``failed``, ``cancelled``) carrying the job
@@ -23,11 +23,13 @@ from fastapi.responses import StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from app.api.deps import Caller, caller, door, load_job
-from app.api.schemas import ErrorBody, to_job
-from app.jobs.door import KEEPALIVE_S, Door, Subscription
+from app.api.errors import ErrorBody
+from app.api.native.protocol import to_job
+from app.jobs.door import Door, Subscription
 
 router = APIRouter(tags=["jobs"])
 RETRY_MS = 2000  # what EventSource waits before reconnecting after a dropped stream
+KEEPALIVE_S = 15.0  # a comment line this long after the last event: proxies keep the stream
 
 
 def sse(event: str, data: dict[str, Any], event_id: int | None = None) -> bytes:
@@ -45,7 +47,7 @@ def sse(event: str, data: dict[str, Any], event_id: int | None = None) -> bytes:
 async def job_events(job_id: str, d: Door = Depends(door),
                      who: Caller = Depends(caller)) -> StreamingResponse:
     await load_job(d, job_id, who)  # the owner check: another tenant's job is a plain 404
-    sub = d.events(job_id, who.owner)  # 429 past the key's stream cap
+    sub = d.follow(job_id, who.owner, capped=True)  # 429 past the key's stream cap
     return FeedResponse(
         _stream(sub), sub, media_type="text/event-stream",
         # no-transform / X-Accel-Buffering: proxies must not buffer or compress the stream.

@@ -1,4 +1,8 @@
-"""The job API's response shapes (what /docs shows), and a job as the API renders it."""
+"""The native job API's protocol: a job as it answers with it (what /docs shows), and how the
+requests' own fields read (the ids of ``GET /jobs``, the help of ``POST /transcribe``'s form).
+
+The routes are app/api/native/api_router.py; what they do with the door, serving.py.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,36 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from app.errors import public_error
+from app.errors import BadRequest, public_error
 from app.jobs.door import JobView
 from app.results.shapes import Transcription, absent
+
+# Ids per request: 100 ids (24 characters and a comma each) keep even a maliciously encoded URL
+# (12 bytes per character at worst) under the HTTP parser's ~64 KiB request line, past which
+# the server answers a plain-text 400 before the app runs.
+MAX_IDS = 100
+ID_CHARS = 24
+IDS_HELP = (f"Comma-separated job ids (at most {MAX_IDS}): these of your jobs, in this order, "
+            "unknown ones left out, instead of the newest. A client following many jobs polls "
+            "them in one request rather than holding a connection per job.")
+DIARIZE_HELP = ("Who spoke when: speaker (SPEAKER_00, SPEAKER_01, ...) on segments and words, "
+                "segments split at speaker turns. Speaker models on CPU, loaded on first use.")
+CHANNELS_HELP = ("separate: transcribe each channel of a multichannel upload (a call recording) "
+                 "on its own, speaker = channel_0, channel_1, ..., merged in time order; a mono "
+                 "upload is its one channel. mix (default): one mono downmix.")
+LANGUAGE_DETECTION_HELP = (
+    "Without a language: per_upload (the first speech decides for the whole upload) or "
+    "per_window (each <= 30 s window its own: recordings that switch language; each segment "
+    "carries its language).")
+
+
+def parse_ids(ids: str) -> list[str]:
+    """``ids=a,b,c`` as a list, duplicates and blanks dropped, in order; 400 past MAX_IDS."""
+    wanted = list(dict.fromkeys(i for i in (p.strip() for p in ids.split(",")) if i))
+    if len(wanted) > MAX_IDS:
+        raise BadRequest(f"at most {MAX_IDS} ids per request", field="ids", no_retry=True)
+    return wanted
+
 
 JobStatus = Literal["fetching", "queued", "running", "done", "failed", "cancelled"]
 
@@ -29,11 +60,6 @@ class Progress(BaseModel):
     windows_total: int | None = Field(None, description="Known once the upload is decoded.")
     fetched_bytes: int | None = Field(
         None, exclude_if=absent, description="status fetching (an audio_url job): bytes downloaded so far.")
-
-
-class ErrorInfo(BaseModel):
-    type: str
-    message: str
 
 
 class Job(BaseModel):
@@ -62,10 +88,6 @@ class Job(BaseModel):
 
 class JobList(BaseModel):
     jobs: list[Job]
-
-
-class ErrorBody(BaseModel):
-    error: ErrorInfo
 
 
 def to_job(view: JobView, base: str = "") -> Job:

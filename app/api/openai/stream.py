@@ -7,13 +7,16 @@ exactly these. For a long upload it is the only way a synchronous client sees te
 own time-out, so the stream has no time limit of its own and sends a comment line as a
 keep-alive whenever nothing else was sent for ``KEEPALIVE_S``.
 
-Deltas follow the upload's order: a window's text is sent once it and every window before it
-have finished (:meth:`app.jobs.door.Door.finished_texts`), joined with single spaces as
-the final transcript joins them, so the deltas add up to the ``done`` event's text. A job run
-by another replica streams too: keep-alives while the store says it runs, then one delta with
-the whole text. A failed or cancelled job ends the stream with OpenAI's error event
-(``{"error": {...}}``, which the client raises as ``APIError``). When the client hangs up, the
-job is cancelled: nobody can collect its answer (as for the non-streamed call).
+The stream follows its job as everything else does (``Door.follow``, app/jobs/events.py): it
+wakes when the job's one feed has news, so a thousand streams on a job read the store once per
+change, not once each. Deltas follow the upload's order: a window's text is sent once it and
+every window before it have finished (:meth:`app.jobs.door.Door.finished_texts`), joined with
+single spaces as the final transcript joins them, so the deltas add up to the ``done`` event's
+text. A job run by another replica streams too: keep-alives while the store says it runs
+(re-read every ``RECHECK_S``), then one delta with the whole text. A failed or cancelled job
+ends the stream with OpenAI's error event (``{"error": {...}}``, which the client raises as
+``APIError``). When the client hangs up, the job is cancelled: nobody can collect its answer
+(as for the non-streamed call).
 """
 
 from __future__ import annotations
@@ -26,8 +29,9 @@ from typing import Any
 
 from fastapi.responses import StreamingResponse
 
-from app.errors import openai_body, public_error
-from app.jobs.door import Door, JobView
+from app.api.errors import openai_body
+from app.errors import public_error
+from app.jobs.door import Door, EventFeed, JobView
 
 log = logging.getLogger(__name__)
 # Proxies commonly drop a connection idle for 60 s (nginx's proxy_read_timeout default).
@@ -59,33 +63,33 @@ async def transcript_events(d: Door, job_id: str, owner: str | None, logprobs: b
     sent_windows = 0
     text = ""
     ended = False
+    sub = d.follow(job_id, owner)
+    feed = sub.feed
     try:
-        with d.watch(job_id) as changed:
-            while True:
-                changed.clear()  # before reading: a change during the reads wakes the next wait
-                for piece, probs in _finished(d, job_id, sent_windows, logprobs):
-                    sent_windows += 1
-                    piece = piece.strip()
-                    if piece:
-                        delta = f" {piece}" if text else piece
-                        text += delta
-                        yield delta_event(delta, probs)
-                row = await d.get(job_id, owner)
-                if row is None or row.ended:
-                    ended = True
-                    for chunk in _end(row, job_id, text, logprobs):
-                        yield chunk
-                    return
-                if d.stopped:  # draining: this job will not finish here
-                    yield event(openai_body(503, "the service is restarting; retry the request",
-                                            code="shutting_down"))
-                    return
-                try:
-                    async with asyncio.timeout(KEEPALIVE_S):  # not wait_for: see app/jobs/webhooks.py
-                        await changed.wait()
-                except TimeoutError:
-                    yield b": keep-alive\n\n"
+        while True:
+            sub.wake.clear()  # before reading: news during the reads wakes the next wait
+            for piece, probs in _finished(d, job_id, sent_windows, logprobs):
+                sent_windows += 1
+                piece = piece.strip()
+                if piece:
+                    delta = f" {piece}" if text else piece
+                    text += delta
+                    yield delta_event(delta, probs)
+            if feed.final is not None or feed.gone:
+                ended = True
+                for chunk in _end(feed.final, job_id, text, logprobs):
+                    yield chunk
+                return
+            if feed.closed:  # draining (this job will not finish here), or the store is away
+                yield event(_closed(feed))
+                return
+            try:
+                async with asyncio.timeout(KEEPALIVE_S):  # not wait_for: see app/jobs/webhooks.py
+                    await sub.wake.wait()
+            except TimeoutError:
+                yield b": keep-alive\n\n"
     finally:
+        sub.release()
         if not ended:  # the client hung up, or the service is draining
             task = asyncio.get_running_loop().create_task(_cancel(d, job_id, owner))
             _cleanups.add(task)
@@ -99,6 +103,13 @@ def _finished(d: Door, job_id: str, start: int, logprobs: bool
     if logprobs:
         return [(t, p) for t, p in d.finished_logprobs(job_id, start) or ()]
     return [(t, None) for t in d.finished_texts(job_id, start) or ()]
+
+
+def _closed(feed: EventFeed) -> dict[str, Any]:
+    if feed.failed:
+        return openai_body(503, "the job store is unavailable for a moment; retry shortly",
+                           code="store_unavailable")
+    return openai_body(503, "the service is restarting; retry the request", code="shutting_down")
 
 
 def _end(row: JobView | None, job_id: str, sent: str, logprobs: bool = False) -> list[bytes]:

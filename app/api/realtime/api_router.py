@@ -1,15 +1,5 @@
-"""Live transcription over WebSocket: OpenAI's Realtime API with ``intent=transcription``.
-
-``GET /v1/realtime?intent=transcription`` (WebSocket): this module only moves messages between
-the socket and the core (``Door.live``, app/jobs/live.py, which runs
-:class:`app.live.session.LiveSession`). The caller is the key middleware's (app/api/middleware):
-an ``Authorization`` header, or a client secret in the ``openai-insecure-api-key.<secret>``
-subprotocol or the ``client_secret`` query parameter, for browsers. It is an ordinary FastAPI
-WebSocket route, so every ASGI middleware of the app sees its ``websocket`` scope.
-
-``POST /v1/realtime/client_secrets``: a short-lived token for that socket, in the shape of
-OpenAI's ephemeral keys (``{value, expires_at, session}``); it opens live sessions only.
-"""
+"""The realtime family's routes (the family: app/api/realtime/__init__.py): the socket's moves
+handed to the core (``Door.live``), and the client secrets that open it from a browser."""
 
 from __future__ import annotations
 
@@ -22,29 +12,19 @@ from fastapi import APIRouter, Body, Depends, Request, WebSocket
 from starlette.websockets import WebSocketDisconnect
 
 from app.api.deps import Caller, caller
-from app.api.middleware.secrets import SUBPROTOCOL_KEY, ClientSecrets
-from app.api.openai import OpenAIRoute
-from app.api.schemas import ErrorBody
-from app.errors import BadRequest
+from app.api.errors import ErrorBody, OpenAIRoute, socket_error
+from app.api.middleware.secrets import ClientSecrets
+from app.api.realtime.protocol import (
+    SIGNED_CALLBACK_ONLY,
+    handshake_refusal,
+    pick_subprotocol,
+    secret_callback,
+    secret_ttl_s,
+)
 from app.jobs.door import Door, LiveCall
 
 router = APIRouter(tags=["live"], route_class=OpenAIRoute)  # errors in OpenAI's shape
-INTENTS = ("transcription",)
 CLOSE_WAIT_S = 5.0
-MAX_URL = 2048  # the jobs table's callback_url column
-JOB_HEADER = "x-batchscribe-job"
-
-
-def pick_subprotocol(offered: list[str]) -> str | None:
-    """The subprotocol to answer with: Chromium fails a handshake that offered some and got
-    none back, so ``realtime`` (what OpenAI's browser clients offer) when offered, else any
-    offered one but the key's (it would echo the secret), else that one."""
-    if not offered:
-        return None
-    if "realtime" in offered:
-        return "realtime"
-    plain = [p for p in offered if not p.startswith(SUBPROTOCOL_KEY)]
-    return plain[0] if plain else offered[0]
 
 
 @router.websocket("/v1/realtime")
@@ -66,28 +46,21 @@ async def realtime(ws: WebSocket, intent: str | None = None,
     async def send(event: dict[str, Any]) -> None:
         await ws.send_text(json.dumps(event, separators=(",", ":")))
 
-    refusal = (("invalid_intent", f"only intent=transcription is served here, not {intent!r}")
-               if intent not in INTENTS else
-               ("not_ready", "the model is not loaded yet, or the service is shutting down")
-               if not door.ready else None)
-    if refusal is not None:  # accepted to say why: a refused handshake shows only a status
+    async def refuse(code: str, message: str, param: str | None) -> None:
+        """Accepted to say why (a refused handshake shows only a status), then closed."""
         await accept({})
-        await send({"type": "error", "event_id": None, "error": {
-            "type": "invalid_request_error", "code": refusal[0], "message": refusal[1],
-            "param": "intent" if refusal[0] == "invalid_intent" else None, "event_id": None}})
+        await send(socket_error(code, message, param))
         await ws.close(1008)
+
+    refusal = handshake_refusal(intent, door.ready)
+    if refusal is not None:
+        await refuse(*refusal)
         return
     signer: ClientSecrets = ws.app.state.client_secrets
     grant = signer.grant_of(ws.scope)
     if grant is not None:  # a client secret: only the callback_url signed into it
         if callback_url is not None and callback_url != grant.callback_url:
-            await accept({})
-            await send({"type": "error", "event_id": None, "error": {
-                "type": "invalid_request_error", "code": "invalid_value",
-                "message": "a socket opened with a client secret delivers only to the "
-                "callback_url the secret was minted with (POST /v1/realtime/client_secrets "
-                "with callback_url)", "param": "callback_url", "event_id": None}})
-            await ws.close(1008)
+            await refuse("invalid_value", SIGNED_CALLBACK_ONLY, "callback_url")
             return
         callback_url = grant.callback_url
     try:
@@ -118,14 +91,8 @@ async def client_secrets(
     body = body or {}
     door: Door = request.app.state.door
     signer: ClientSecrets = request.app.state.client_secrets
-    after = body.get("expires_after") or {}
-    seconds = after.get("seconds") if isinstance(after, dict) else None
-    ttl_s = seconds if isinstance(seconds, int) and 10 <= seconds <= 7200 else None
+    ttl_s = secret_ttl_s(body)
     carried, opened = door.live_session(body.get("session") or {"type": "transcription"})
-    callback = body.get("callback_url")
-    if callback is not None and (not isinstance(callback, str) or len(callback) > MAX_URL):
-        raise BadRequest(f"callback_url must be a URL of at most {MAX_URL} characters",
-                         field="callback_url")
-    minted = signer.mint(who.owner, ttl_s, carried if "session" in body else None,
-                         callback or None)
+    callback = secret_callback(body)
+    minted = signer.mint(who.owner, ttl_s, carried if "session" in body else None, callback)
     return {"value": minted.value, "expires_at": minted.expires_at, "session": opened}
