@@ -29,6 +29,9 @@ class ServiceError(Exception):
 
     def __init__(self, message: str, *, retry_after: int | None = None,
                  no_retry: bool | None = None, **details: Any) -> None:
+        if "headers" in details or "status_code" in details:  # HTTP is the edge's business
+            raise TypeError("a ServiceError carries retry_after and no_retry; its status and "
+                            "headers are app/api/errors.py's")
         super().__init__(message)
         self.message = message
         self.details = details

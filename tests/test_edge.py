@@ -12,7 +12,6 @@ import base64
 import importlib
 import json
 import pkgutil
-import time
 import tomllib
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,10 +28,8 @@ from app.api.openai import stream as openai_stream
 from app.errors import BadRequest, Overloaded, ServiceError
 from app.jobs.events import EventHub, Subscription
 from app.live.audio import encode_pcm16
-from app.main import create_app
 from tests.conftest import ROOT
-from tests.fakes import FakeEngine
-from tests.test_metrics import fake_settings, serve, value
+from tests.helpers import fake_service, value, wait_until
 
 websockets = pytest.importorskip("websockets")
 from websockets.asyncio.client import connect  # noqa: E402
@@ -60,6 +57,8 @@ def test_every_error_is_declared_at_the_core_or_the_edge_and_has_a_status() -> N
         assert cls.__module__ in ("app.errors", "app.api.errors"), cls
         assert any(c in STATUS for c in cls.__mro__ if c is not ServiceError), cls
         assert not hasattr(cls, "status_code") and not hasattr(cls, "headers"), cls  # plain
+    with pytest.raises(TypeError, match="retry_after and no_retry"):  # raised the old way
+        BadRequest("no", headers={"x-should-retry": "false"})
 
 
 def test_the_web_contract_names_every_module_outside_the_edge() -> None:
@@ -208,16 +207,16 @@ def test_a_live_session_kept_as_a_job_is_counted_as_a_finished_job(tmp_path: Pat
     """Through the whole app: the session's end goes through the runner's hub, so
     ``jobs_finished`` counts it (it used to reach the webhooks only) while ``job_latency``
     (submit to finish) leaves a session's length out."""
-    fake = FakeEngine()
-    with serve(create_app(fake_settings(tmp_path), engine_factory=lambda s: fake)) as url:
+    with fake_service(tmp_path) as url:
         job_id = asyncio.run(_one_session(url))
         with httpx.Client(base_url=url, timeout=BOUND) as c:
-            for _ in range(200):  # the row is written as the session winds down
-                text = c.get("/metrics").text
-                if value(text, "batchscribe_jobs_finished_total", status="done") >= 1:
-                    break
-                time.sleep(0.05)
+            def counted() -> bool:  # the row is written as the session winds down
+                return value(c.get("/metrics").text, "batchscribe_jobs_finished_total",
+                             status="done") >= 1
+
+            assert wait_until(counted, BOUND, 0.05), "the kept session was not counted"
             assert c.get(f"/jobs/{job_id}").json()["status"] == "done"
+            text = c.get("/metrics").text
     assert value(text, "batchscribe_jobs_finished_total", status="done") == 1
     assert value(text, "batchscribe_job_latency_seconds_count", status="done") == 0
 

@@ -4,9 +4,10 @@ Routers (``app/api``) import this module (with the types that cross it: the job'
 event subscription, a transfer's hold), the plain data modules of the vocabulary
 (``app.engine.languages``, ``app.speakers.limits``) and the API types (``app/results``):
 nothing else of ``app/jobs``, and nothing of the pipeline behind it (an import-linter contract
-in pyproject.toml keeps it so). Constants the routes need live where they belong, not here. The shape
-is text-embeddings-inference's ``Infer`` and vLLM's ``EngineClient``: one small interface,
-implemented by the core (:class:`app.jobs.core.Core`), that a test can replace with a fake.
+in pyproject.toml keeps it so). It holds job and engine operations only: constants the routes
+need live where they belong, not here. The shape is text-embeddings-inference's ``Infer`` and
+vLLM's ``EngineClient``: one small interface, implemented by the core
+(:class:`app.jobs.core.Core`), that a test can replace with a fake.
 
 What crosses it are plain values, not the core's objects: an :class:`Upload` goes in (handed
 over once: from the call on, the core owns its file whatever happens, and removes it when the
