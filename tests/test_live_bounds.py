@@ -16,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import json
+import logging
 import socket
 import time
 from collections.abc import Iterator
@@ -136,9 +137,17 @@ def raw_session(url: str, events: list[bytes], pause_s: float) -> tuple[int, int
         sock.sendall(b"".join(p.data_to_send()))
         while not p.events_received():
             p.receive_data(sock.recv(65536))
-        for event in events:
-            p.send_text(event)
-            sock.sendall(b"".join(p.data_to_send()))
+        # The server may close (1008) while this is still sending, and then no longer read:
+        # on a loaded host that happened mid-send and sendall blocked to the timeout (CI).
+        # A send the server does not take within a few seconds ends the sending.
+        sock.settimeout(5.0)
+        try:
+            for event in events:
+                p.send_text(event)
+                sock.sendall(b"".join(p.data_to_send()))
+        except (TimeoutError, OSError):
+            pass
+        sock.settimeout(BOUND)
         time.sleep(pause_s)
         got = 0
         while data := sock.recv(65536):
@@ -152,12 +161,22 @@ def raw_session(url: str, events: list[bytes], pause_s: float) -> tuple[int, int
         return got, None
 
 
-async def test_a_client_that_does_not_read_is_closed_1008(tmp_path: Path) -> None:
+async def test_a_client_that_does_not_read_is_closed_1008(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="app.live.session")
     with app_url(tmp_path, live={"max_outbox_bytes": 64 * 1024}) as url:
         bad = json.dumps({"type": "no.such.event", "event_id": "e" * 256}).encode()
         sent = 20_000  # each answered by an error of ~400 bytes: ~8 MB the client does not read
-        got, code = await asyncio.to_thread(raw_session, url, [bad] * sent, 2.0)
-    assert code == 1008, (got, code)
+        try:
+            got, code = await asyncio.to_thread(raw_session, url, [bad] * sent, 2.0)
+        except ConnectionResetError:
+            # The server closed with the client's unread sends still in its socket: TCP resets
+            # the connection then, and the reset may discard the close frame already sent (seen
+            # on a loaded host). The session's own account of why it ended says the same.
+            got, code = 0, None
+    closed = [r for r in caplog.records if "events unread; closing" in r.getMessage()]
+    assert closed, "the session did not end on its outbox bound"
+    assert code in (1008, None), (got, code)
     assert got < sent / 2, got  # what it did not read was dropped, not kept for it
 
 

@@ -7,21 +7,35 @@ route's limit raised it for all 32 fields (issue 51): 128 MiB of form fields hel
 per request. :class:`FieldMeter` reads the same bytes the route's parser will, with
 python-multipart's streaming parser (what Starlette uses), as they pass, and cuts the request
 off (413 naming the field) the moment a field passes its own limit: ``FIELD_LIMITS`` for the
-listed fields (and at most so many of them), 64 KiB for any other. File parts are the body
-limit's (app/api/middleware/limits.py).
+listed fields, 64 KiB for any other. One too many of a listed field is the request's mistake,
+not its size: a 400 with the text the route itself gives (OpenAI's 1 to 4 known speakers), so
+a client sees the same answer whether the form is cut off here or checked by the route. File
+parts are the body limit's (app/api/middleware/limits.py).
 """
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 from python_multipart.multipart import MultipartParser, parse_options_header
 
-from app.errors import PayloadTooLarge
+from app.errors import BadRequest, PayloadTooLarge, ServiceError
 from app.speakers.limits import MAX_KNOWN, PART_BYTES
 
 FIELD_BYTES = 64 * 1024  # any other field (app/main.py FORM_LIMITS' max_part_size)
-# Per route: field name -> (bytes per field, fields of that name at most).
-FIELD_LIMITS: dict[str, dict[str, tuple[int, int]]] = {
-    "/v1/audio/transcriptions": {"known_speaker_references[]": (PART_BYTES, MAX_KNOWN)},
+
+
+class FieldLimit(NamedTuple):
+    max_bytes: int  # per field
+    max_fields: int  # fields of that name at most
+    too_many: str  # the 400's text past ``count``
+    names: str  # the field the 400 names (the route's own check names the same)
+
+
+# Per route: field name -> its limit.
+FIELD_LIMITS: dict[str, dict[str, FieldLimit]] = {
+    "/v1/audio/transcriptions": {"known_speaker_references[]": FieldLimit(
+        PART_BYTES, MAX_KNOWN, f"give 1 to {MAX_KNOWN} known speakers", "known_speaker_names[]")},
 }
 
 
@@ -32,16 +46,16 @@ def field_too_large(name: str, limit: int) -> PayloadTooLarge:
 
 class FieldMeter:
     """Fed the body's chunks (:meth:`feed`); raises :class:`PayloadTooLarge` for a field over
-    its limit, or one too many of a limited name. A body it cannot parse is left to the
-    route's parser, which answers it (400)."""
+    its limit, :class:`BadRequest` for one too many of a limited name. A body it cannot parse
+    is left to the route's parser, which answers it (400)."""
 
-    def __init__(self, content_type: str, limits: dict[str, tuple[int, int]]) -> None:
+    def __init__(self, content_type: str, limits: dict[str, FieldLimit]) -> None:
         _, params = parse_options_header(content_type)
         self.limits = limits
         self.seen: dict[str, int] = {}
         self._name, self._file, self._size = "", False, 0
         self._header, self._value = b"", b""
-        self._error: PayloadTooLarge | None = None
+        self._error: ServiceError | None = None
         boundary = params.get(b"boundary")
         self._parser: MultipartParser | None = MultipartParser(boundary, {
             "on_part_begin": self._begin, "on_part_data": self._data,
@@ -75,20 +89,19 @@ class FieldMeter:
             self._file = b"filename" in options
             if not self._file and self._name in self.limits:
                 n = self.seen[self._name] = self.seen.get(self._name, 0) + 1
-                if n > self.limits[self._name][1]:
-                    self._fail(PayloadTooLarge(
-                        f"at most {self.limits[self._name][1]} {self._name[:100]!r} fields",
-                        field=self._name[:100]))
+                limit = self.limits[self._name]
+                if n > limit.max_fields:
+                    self._fail(BadRequest(limit.too_many, field=limit.names))
         self._header, self._value = b"", b""
 
     def _data(self, data: bytes, start: int, end: int) -> None:
         if self._file:
             return
         self._size += end - start
-        limit = self.limits.get(self._name, (FIELD_BYTES, 0))[0]
+        limit = self.limits[self._name].max_bytes if self._name in self.limits else FIELD_BYTES
         if self._size > limit:
             self._fail(field_too_large(self._name, limit))
 
-    def _fail(self, error: PayloadTooLarge) -> None:
+    def _fail(self, error: ServiceError) -> None:
         if self._error is None:
             self._error = error

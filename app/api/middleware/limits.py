@@ -81,7 +81,7 @@ class _Guard:
         self.limit = limit
         self.fields = fields
         self.received = 0
-        self.error: PayloadTooLarge | None = None
+        self.error: ServiceError | None = None  # a 413, or a field meter's 400
         self.started = False  # a response has begun (ours or the app's)
         self.replaced = False  # the app's response is being dropped for our 413
 
@@ -98,7 +98,7 @@ class _Guard:
             if self.fields is not None:
                 try:
                     self.fields.feed(body)
-                except PayloadTooLarge as exc:
+                except ServiceError as exc:
                     self.error = exc
                     raise
         return message
