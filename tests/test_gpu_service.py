@@ -35,7 +35,13 @@ TOTAL_MB, DECODE_MB, ENCODE_MB = 2048, 150, 50  # per 30 s window (x beam for th
 
 
 def fake_env(tmp: Path, **extra: str) -> dict[str, str]:
+    """The fake device computes with whisper-base on this host's CPU, 50-100x slower than the GPU
+    it stands for, so the batcher's cost budget (``batch_cost_s``, in engine seconds, for short
+    work beside bulk) is off: on a loaded host a 30 s window's call cost more than the 3 s budget
+    and cut the long upload's batches to one window ({'1': 5, '2': 2} under three busy loops,
+    a full batch of 4 on a quiet host). The budget has its own tests (tests/test_scheduler.py)."""
     return {"BATCHSCRIBE_MODEL__DEVICE": "cuda", "BATCHSCRIBE_MODEL__VAD": "silero",
+            "BATCHSCRIBE_BATCHER__BATCH_COST_S": "0",
             "FAKEGPU_TOTAL_MB": str(TOTAL_MB), "FAKEGPU_DECODE_MB": str(DECODE_MB),
             "FAKEGPU_ENCODE_MB": str(ENCODE_MB), "FAKEGPU_CONTROL": str(tmp / "control.json"),
             "FAKEGPU_EVENTS": str(tmp / "events.jsonl"), **extra}
