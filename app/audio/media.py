@@ -219,13 +219,18 @@ class AudioDecoder:
     The duration limit is checked on decoded samples too, because a header can lie (a WAV
     header claiming a huge size, a stream without duration metadata)."""
 
-    def __init__(self, path: Path, max_audio_s: float, separate: bool = False) -> None:
+    def __init__(self, path: Path, max_audio_s: float, separate: bool = False,
+                 start: int = 0) -> None:
         self._limit = int(max_audio_s * SAMPLE_RATE)
         self._max_audio_s = max_audio_s
         try:
             self._container = open_audio(path)
         except av.error.FFmpegError as exc:
             raise UnsupportedMedia("cannot open the upload as audio") from exc
+        self.start = start  # the upload's sample the first one returned is (see _seek)
+        self._skip: int | None = 0  # samples still to drop before it (None: not known yet)
+        if start:
+            self._seek(start)
         self._frames = _checked(frames(self._container))
         layout: Any = "mono"
         self.channels = 1
@@ -248,9 +253,14 @@ class AudioDecoder:
         try:
             while got < n and not self.done:
                 frame = next(self._frames, None)
+                if self._skip is None and frame is not None:
+                    self._skip = self._landed(frame)
                 for out in self._resample(frame):  # None flushes the resampler's tail
                     arr = out.to_ndarray()
                     arr = arr.reshape(self.channels, -1) if self.separate else arr.reshape(-1)
+                    if self._skip:
+                        drop = min(self._skip, arr.shape[-1])
+                        arr, self._skip = arr[..., drop:], self._skip - drop
                     parts.append(arr)
                     got += arr.shape[-1]
                 if frame is None:
@@ -262,7 +272,7 @@ class AudioDecoder:
                         (self.samples + got) / SAMPLE_RATE, type(exc).__name__)
             self.done = True
         self.samples += got
-        if self.samples > self._limit:
+        if self.start + self.samples > self._limit:
             raise PayloadTooLarge(f"audio is longer than the limit of {self._max_audio_s:.0f} s",
                                   limit_s=self._max_audio_s)
         if not parts:
@@ -289,8 +299,34 @@ class AudioDecoder:
             self._format = fmt
         return list(self._resampler.resample(frame))
 
+    def _seek(self, start: int) -> None:
+        """Decode from the upload's sample ``start``: FFmpeg seeks to the packet at or before
+        it; the samples before it are dropped once the first frame says where it landed."""
+        s = self._container.streams.audio[0]
+        if s.time_base is None:
+            raise NotSeekable("the stream has no time base")
+        try:
+            self._container.seek(int(start / SAMPLE_RATE / s.time_base), stream=s,
+                                 backward=True, any_frame=False)
+        except av.error.FFmpegError as exc:
+            raise NotSeekable(f"seek failed ({type(exc).__name__})") from exc
+        self._skip = None
+
+    def _landed(self, frame: Any) -> int:
+        """Output samples before ``start`` in the first frame decoded after a seek."""
+        if frame.pts is None or frame.time_base is None:
+            raise NotSeekable("the first frame after the seek has no time")
+        at = round(float(frame.pts * frame.time_base) * SAMPLE_RATE)
+        if at > self.start:
+            raise NotSeekable(f"the seek landed {(at - self.start) / SAMPLE_RATE:.3f} s late")
+        return self.start - at
+
     def close(self) -> None:
         self._container.close()
+
+
+class NotSeekable(Exception):
+    """An upload cannot be decoded from a given point (a part of it: app/audio/parts.py)."""
 
 
 def decode(path: Path, max_audio_s: float) -> np.ndarray:

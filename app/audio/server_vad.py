@@ -37,12 +37,13 @@ from app.errors import InvalidChunking
 MIN_SILENCE_MS = 160  # the service's (SpanTracker's default)
 
 
-def tracker(settings: Mapping[str, float], pad_s: float) -> SpanTracker:
+def tracker(settings: Mapping[str, float], pad_s: float, origin: int = 0) -> SpanTracker:
     """faster-whisper's span rules with the request's settings over the service's."""
     return SpanTracker(
         threshold=float(settings.get("threshold", 0.5)),
         min_silence_ms=int(settings.get("silence_duration_ms", MIN_SILENCE_MS)),
-        speech_pad_ms=int(settings.get("prefix_padding_ms", round(pad_s * 1000))))
+        speech_pad_ms=int(settings.get("prefix_padding_ms", round(pad_s * 1000))),
+        origin=origin)
 
 
 class TunedVad:
@@ -54,6 +55,10 @@ class TunedVad:
 
     def stream(self) -> VadStream:
         return SileroStream(self.vad, tracker(self.settings, self.vad.pad_s))
+
+    def spans(self, origin: int = 0) -> SpanTracker:
+        """The span rules alone (a part of an upload: app/audio/parts.py)."""
+        return tracker(self.settings, self.vad.pad_s, origin)
 
     def speech(self, audio: np.ndarray) -> list[tuple[float, float]]:
         return whole(self, audio)

@@ -33,17 +33,22 @@ class SpanTracker:
 
     A span is final once the next one has begun (their gap is known) or once the audio has gone
     2 x pad past its end with nothing begun (the gap is at least that): the same spans as one
-    pass over the whole upload, with at most ~2 x pad of lookahead (``tests/test_prep.py``)."""
+    pass over the whole upload, with at most ~2 x pad of lookahead (``tests/test_prep.py``).
+
+    ``origin``: the sample the first probability is of, for a part of an upload prepared on
+    its own (app/audio/parts.py): spans are in the upload's samples and none starts before it
+    (its padding is cut there, as the upload's start cuts the first span's)."""
 
     def __init__(self, threshold: float = 0.5, max_speech_s: float = WINDOW_S,
                  min_silence_ms: int = 160,
-                 speech_pad_ms: int = round(SPEECH_PAD_S * 1000)) -> None:
+                 speech_pad_ms: int = round(SPEECH_PAD_S * 1000), origin: int = 0) -> None:
         self.threshold = threshold
         self.neg = max(threshold - 0.15, 0.01)
         self.pad = SAMPLE_RATE * speech_pad_ms / 1000
         self.max_speech = SAMPLE_RATE * max_speech_s - CHUNK - 2 * self.pad
         self.min_silence = SAMPLE_RATE * min_silence_ms / 1000
         self.min_silence_at_max = SAMPLE_RATE * 98 / 1000
+        self.origin = origin
         self._i = 0  # probabilities seen
         self._start: float | None = None
         self._temp_end = self._prev_end = self._next_start = 0.0
@@ -52,7 +57,7 @@ class SpanTracker:
 
     def feed(self, probs: np.ndarray) -> list[tuple[int, int]]:
         for p in probs.tolist():
-            self._step(p, CHUNK * self._i)
+            self._step(p, self._at())
             self._i += 1
         return self._settle(final=False, n_samples=0)
 
@@ -64,14 +69,18 @@ class SpanTracker:
 
     def frontier(self) -> int:
         """Spans not yet returned end after their raw end, or after the probabilities seen."""
-        return int(min([r[1] for r in self._raw] + [CHUNK * self._i]))
+        return int(min([r[1] for r in self._raw] + [self._at()]))
 
     def keep_from(self) -> int:
         """Padding moves a start back by at most ``pad``; spans not yet begun start later."""
-        starts = [r[0] for r in self._raw] + [CHUNK * self._i]
+        starts = [r[0] for r in self._raw] + [self._at()]
         if self._start is not None:
             starts.append(self._start)
-        return max(0, int(min(starts) - self.pad))
+        return max(self.origin, int(min(starts) - self.pad))
+
+    def _at(self) -> int:
+        """The sample where the next probability's chunk begins."""
+        return self.origin + CHUNK * self._i
 
     def _step(self, p: float, at: int) -> None:
         if p >= self.threshold and self._temp_end:
@@ -115,13 +124,13 @@ class SpanTracker:
                 nxt = self._start
             elif final:
                 nxt = None
-            elif CHUNK * self._i - span[1] >= 2 * pad:
+            elif self._at() - span[1] >= 2 * pad:
                 nxt = math.inf  # whatever comes next starts at least 2 x pad later
             else:
                 break
             start, end = span
             if self._last_end is None:  # the first span
-                start = max(0, start - pad)
+                start = max(self.origin, start - pad)
             else:  # the gap to the previous span, as it was padded
                 gap = start - self._last_end
                 start = max(0, start - (gap // 2 if gap < 2 * pad else pad))

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -89,23 +90,41 @@ def _session(model: bytes) -> Any:
                                         sess_options=opts)
 
 
+@dataclass(frozen=True)
+class SileroModel:
+    """What a prep process needs to run the same VAD (app/audio/procs): the padding and the
+    ONNX graph the service checked, the STFT-cut tail (``fft``) or the whole model. Building
+    it again there would import onnx and faster-whisper (~2 s of CPU per process)."""
+
+    pad_s: float
+    graph: bytes
+    fft: bool
+
+
 class SileroVad:
     """faster-whisper's Silero VAD model and thresholds; the STFT by FFT (see the module doc)."""
 
-    def __init__(self, pad_s: float = SPEECH_PAD_S) -> None:
+    def __init__(self, pad_s: float = SPEECH_PAD_S, model: SileroModel | None = None) -> None:
+        self.pad_s = pad_s
+        self._window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)).astype(np.float32)
+        if model is not None:  # checked where it was built
+            self.pad_s = model.pad_s
+            self._graph = model.graph
+            self._tail: Any = _session(model.graph) if model.fft else None
+            self._whole: Any = None if model.fft else _Whole(_session(model.graph))
+            return
         import onnx
         import onnx.utils
         from faster_whisper.utils import get_assets_path
         from faster_whisper.vad import SileroVADModel
 
-        self.pad_s = pad_s
         path = str(Path(get_assets_path()) / "silero_vad_v6.onnx")
         # faster-whisper's own model: the reference of the start-up check, and the fallback.
         self._whole = SileroVADModel(path)
-        self._window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)).astype(np.float32)
         tail = onnx.utils.Extractor(onnx.load(path)).extract_model(
             [MAGNITUDE, "h", "c"], ["speech_probs", "hn", "cn"])
-        self._tail: Any = _session(tail.SerializeToString())
+        self._graph = tail.SerializeToString()
+        self._tail = _session(self._graph)
         probe = np.random.default_rng(0).standard_normal(CHUNK * 64).astype(np.float32)
         probe *= np.linspace(0.0, 0.5, probe.size, dtype=np.float32)
         diff = float(np.abs(self.probabilities(probe) - self._whole(_padded(probe))).max())
@@ -113,6 +132,10 @@ class SileroVad:
             log.warning("Silero VAD: the FFT front end differs from the model's by %.2g; "
                         "running the whole model", diff)
             self._tail = None
+            self._graph = Path(path).read_bytes()
+
+    def model(self) -> SileroModel:
+        return SileroModel(self.pad_s, self._graph, self.fft)
 
     @property
     def fft(self) -> bool:
@@ -121,12 +144,17 @@ class SileroVad:
     def stream(self) -> SileroStream:
         return SileroStream(self)
 
+    def spans(self, origin: int = 0) -> SpanTracker:
+        """The span rules alone (a part of an upload: app/audio/parts.py)."""
+        return SpanTracker(speech_pad_ms=round(self.pad_s * 1000), origin=origin)
+
     def speech(self, audio: np.ndarray) -> list[tuple[float, float]]:
         return whole(self, audio)
 
-    def probability_stream(self) -> _Probabilities:
-        """Speech probabilities of audio fed in pieces (live turn detection, app/live/turns.py)."""
-        return _Probabilities(self, keep_last=True)
+    def probability_stream(self, keep_last: bool = True) -> _Probabilities:
+        """Speech probabilities of audio fed in pieces (live turn detection, app/live/turns.py;
+        a part of an upload, app/audio/parts.py)."""
+        return _Probabilities(self, keep_last=keep_last)
 
     def probabilities(self, audio: np.ndarray) -> np.ndarray:
         """One speech probability per 512 samples, as faster-whisper's model call returns them."""
@@ -150,6 +178,13 @@ class SileroVad:
         frames = np.lib.stride_tricks.sliding_window_view(x, N_FFT, axis=1)[:, ::HOP]
         spectrum = np.fft.rfft(frames * self._window, axis=-1)  # (chunks, 4, 129)
         return np.abs(spectrum).astype(np.float32).transpose(0, 2, 1)
+
+
+class _Whole:
+    """The whole graph's session, as faster-whisper's model object holds it."""
+
+    def __init__(self, session: Any) -> None:
+        self.session = session
 
 
 class _Probabilities:

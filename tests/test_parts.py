@@ -1,0 +1,164 @@
+"""One long upload in parts (issue 50 item 3), in this process: where parts begin and end,
+that they cover the upload once, that seeks land where their timestamps say.
+
+* Parts run side by side (the seam relayed as the pool does): their windows are disjoint and in
+  order, every speech span of one pass over the upload is inside a window, and every seam lies
+  in a silence of that pass (no span of it crosses a seam) within its search range.
+* A part past the end of the audio (a header that over-states its length) is empty and the part
+  before it runs on to the end.
+* Seeking: WAV and FLAC land exactly, Ogg/Opus and MP4/AAC within 7 ms; MP3 is not split.
+* The seam search on its own, and the order of windows across parts (app/jobs/order.py).
+"""
+
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from app.audio import decode
+from app.audio.media import AudioDecoder, open_audio
+from app.audio.parts import SEARCH_S, Part, PartStream, find_seam, plan, splittable
+from app.audio.spans import CHUNK
+from app.audio.vad import SileroVad
+from app.jobs.order import UploadOrder
+from app.windows import SAMPLE_RATE, Window
+from loadtest.feed_audio import encode
+from tests.conftest import Clip
+from tests.test_prep import write_wav
+
+
+@pytest.fixture(scope="module")
+def vad() -> SileroVad:
+    return SileroVad()
+
+
+@pytest.fixture(scope="module")
+def speech(clips: list[Clip]) -> np.ndarray:
+    """~11 minutes of the corpus's clips, 0.8 s of silence between them."""
+    gap = np.zeros(int(0.8 * SAMPLE_RATE), np.float32)
+    return np.concatenate([x for c in clips for x in (decode(c.path, 3600.0), gap)])
+
+
+@pytest.fixture(scope="module")
+def upload(speech: np.ndarray, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_wav(tmp_path_factory.mktemp("parts") / "long.wav", speech)
+
+
+def side_by_side(path: Path, vad: SileroVad, parts: list[Part]) -> tuple[list[Window],
+                                                                          list[PartStream]]:
+    """Every part stepped in turn, each part's seam relayed to the part before it (as
+    app/audio/procs/feed.py does across processes)."""
+    streams = [PartStream(path, vad, 7200.0, 60.0, p) for p in parts]
+    out: list[list[Window]] = [[] for _ in parts]
+    while not all(s.done for s in streams):
+        for k, s in enumerate(streams):
+            if not s.done and not s.waiting:
+                out[k] += s.read_chunk().windows
+        for j in range(len(streams) - 1):
+            if streams[j].end_known:
+                continue
+            m = j + 1
+            while m < len(streams) and streams[m].seam == -1:
+                m += 1
+            if m == len(streams):
+                streams[j].stop_at(None)
+            elif streams[m].seam is not None:
+                streams[j].stop_at(streams[m].seam)
+    return [w for ws in out for w in ws], streams
+
+
+def test_parts_cover_the_upload_once_and_meet_at_silences(upload: Path, speech: np.ndarray,
+                                                          vad: SileroVad) -> None:
+    duration = splittable(upload)
+    assert duration is not None and duration > 600
+    windows, streams = side_by_side(upload, vad, plan(duration, 3))
+    speech = decode(upload, 3600.0)  # as the file holds it (16-bit)
+    for a, b in itertools.pairwise(windows):
+        assert a.end <= b.start, (a.start, a.end, b.start)  # disjoint, in upload order
+    spans = vad.speech(speech)
+    covered = np.zeros(speech.size, bool)
+    for w in windows:
+        covered[round(w.start * SAMPLE_RATE):round(w.end * SAMPLE_RATE)] = True
+        assert np.array_equal(w.audio, speech[round(w.start * SAMPLE_RATE):
+                                              round(w.end * SAMPLE_RATE)])
+    missed = sum(int((~covered[round(a * SAMPLE_RATE):round(b * SAMPLE_RATE)]).sum())
+                 for a, b in spans)
+    assert missed < 0.2 * SAMPLE_RATE, missed / SAMPLE_RATE  # warm-up differences at most
+    for s in streams[1:]:
+        assert s.seam is not None and s.seam >= s.part.start
+        assert s.seam < s.part.start + SEARCH_S * SAMPLE_RATE
+        c = s.seam / SAMPLE_RATE
+        assert not any(a + 0.05 < c < b - 0.05 for a, b in spans), (c, spans)
+
+
+def test_a_part_past_the_end_is_empty(upload: Path, speech: np.ndarray, vad: SileroVad) -> None:
+    """A header claiming twice the audio: the second half's parts have nothing, and the first
+    half's last part runs to the end."""
+    seconds = speech.size / SAMPLE_RATE
+    windows, streams = side_by_side(upload, vad, plan(2 * seconds, 4))
+    assert [s.empty for s in streams] == [False, False, True, True]
+    assert streams[1].end is None and streams[1].samples == speech.size
+    assert windows[-1].end == pytest.approx(seconds, abs=2.0)
+
+
+@pytest.mark.parametrize("fmt", ["flac", "ogg", "m4a"])
+def test_seeks_land_where_their_timestamps_say(speech: np.ndarray, tmp_path: Path,
+                                               fmt: str) -> None:
+    audio = speech[: 90 * SAMPLE_RATE]
+    path = tmp_path / f"a.{fmt}"
+    encode(audio, path, fmt)
+    assert splittable(path) is not None
+    whole = decode(path, 3600.0)
+    start = 47 * SAMPLE_RATE + 123
+    dec = AudioDecoder(path, 3600.0, start=start)
+    got = dec.read(10 * SAMPLE_RATE)[: 10 * SAMPLE_RATE]
+    dec.close()
+    ref = whole[start - 200: start + 10 * SAMPLE_RATE + 200]
+    errs = [float(np.abs(ref[200 + d: 200 + d + got.size] - got)[SAMPLE_RATE:].mean())
+            for d in range(-120, 121)]
+    shift = int(np.argmin(errs)) - 120
+    assert abs(shift) <= 0.007 * SAMPLE_RATE, shift
+    assert errs[shift + 120] < 0.1 * float(np.abs(ref).mean())
+
+
+def test_mp3_is_not_split(clips: list[Clip]) -> None:
+    mp3 = next(c for c in clips if c.path.suffix == ".mp3")
+    with open_audio(mp3.path) as c:
+        assert c.format.name == "mp3"
+    assert splittable(mp3.path) is None
+
+
+def test_the_seam_search() -> None:
+    pad = 1.4 * SAMPLE_RATE
+    probs = np.full(2000, 0.9, np.float32)
+    lo = 100 * CHUNK
+    probs[110:115] = 0.1  # short pause
+    probs[130:230] = 0.1  # 3.2 s of silence: two paddings, taken at once
+    assert find_seam(probs[:240], 0, lo, 0.35, pad, complete=False) == CHUNK * 180
+    probs[130:230] = 0.9
+    probs[400:410] = 0.1  # the longest pause in range, once the range is covered
+    assert find_seam(probs[:500], 0, lo, 0.35, pad, complete=False) is None
+    assert find_seam(probs, 0, lo, 0.35, pad, complete=False) == CHUNK * 405
+    probs[:] = 0.9
+    probs[300] = 0.6  # no pause at all: the least speech-like chunk
+    assert find_seam(probs, 0, lo, 0.35, pad, complete=False) == CHUNK * 300
+    assert find_seam(probs[:50], 0, lo, 0.35, pad, complete=True) == -1  # ends before it
+
+
+def test_windows_take_their_place_once_the_parts_before_them_end() -> None:
+    placed: dict[int, str] = {}
+    order: UploadOrder[str] = UploadOrder(placed.__setitem__)
+    a0, b0, b1 = order.add(0), order.add(1), order.add(1)
+    order.result(1, b1, "b1")
+    order.result(1, b0, "b0")
+    assert placed == {}  # part 0's length is not known yet
+    a1 = order.add(0)
+    order.result(0, a0, "a0")
+    order.result(0, a1, "a1")
+    assert placed == {0: "a0", 1: "a1"}
+    order.end(0)
+    assert placed == {0: "a0", 1: "a1", 2: "b0", 3: "b1"}
+    assert order.index(1, b1) == 3 and order.total == 4
