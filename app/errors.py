@@ -79,6 +79,15 @@ class InvalidAudio(ServiceError):
     error_type = "invalid_audio"
 
 
+class DecoderCrashed(InvalidAudio):
+    """An upload whose decoding killed a prep process twice (a decoder bug on a hostile or
+    broken file): its job fails alone, as the client's input (422, as ``InvalidAudio``), and
+    no retry can help."""
+
+    error_type = "decoder_crashed"
+    no_retry = True
+
+
 class Overloaded(ServiceError):
     """Past a bound (the backlog, a key's share, its streams or transfers): later may work."""
 

@@ -255,14 +255,22 @@ class BatcherSettings(BaseModel):
 
 
 class PrepSettings(BaseModel):
-    """Preparing uploads (fetch, decode, VAD, cut) beside the engine, a chunk at a time."""
+    """Preparing uploads (fetch, decode, VAD, cut) beside the engine (app/audio/procs)."""
 
     model_config = STRICT
 
+    mode: Literal["processes", "threads"] = Field(
+        "processes",
+        description="processes: prep runs in spawned processes of its own, windows back through "
+        "shared memory. threads: in threads of the service process, where it meets the GIL "
+        "(one 20-minute WAV ~650x real time alone, ~105x beside one busy Python thread; on the "
+        "H200 the GPU sat 90 % idle). The pyannote VAD always runs in threads.",
+    )
     workers: int = Field(
         0, ge=0, le=64,
-        description="Prep threads. 0: one per core (at least one per engine): a short upload's "
-        "first chunk goes ahead of long uploads' later chunks on the first free thread.",
+        description="Prep processes (or threads). 0: one per core, at least one per engine. "
+        "On 2 CPU cores the engine uses both as well; prep is ~3 % of its time there, and the "
+        "processes only work while the engine wants windows.",
     )
     chunk_s: float = Field(
         60.0, ge=5.0, le=3600.0,
@@ -278,9 +286,33 @@ class PrepSettings(BaseModel):
     )
     ahead_windows: int = Field(
         24, ge=1, le=10_000,
-        description="Windows of one job cut but not yet transcribed before its next chunk is "
-        "prepared: bounds a long upload's memory (each window holds up to 30 s of audio, ~2 MB, "
-        "and on CPU its encoder output, ~3 MB) while keeping the engine's batches full.",
+        description="Windows one job may hold cut and not yet transcribed, at least. The jobs "
+        "being prepared share at least two full batches per engine worker (GPU: 2 x 128 x 2), so "
+        "a long upload alone reads ahead far enough to fill the GPU's batches; on 2 CPU cores "
+        "(batch 8) that is 32.",
+    )
+    slots: int = Field(
+        0, ge=0, le=100_000,
+        description="processes: shared-memory slots of one 30 s window each (960 kB, int16): the "
+        "bound on prepared audio, whatever the uploads. 0: twice the jobs' shared read-ahead, at "
+        "least 4 x ahead_windows (CPU 96 slots, 92 MB; GPU 1024, 0.94 GB), within half of "
+        "/dev/shm's free space (a container's is 64 MB unless given more).",
+    )
+    part_s: float = Field(
+        300.0, ge=60.0, le=86_400.0,
+        description="processes: a seekable upload (WAV, FLAC, Ogg, MP4) is cut into parts "
+        "prepared side by side, as many as prep processes are idle, none shorter than this: each "
+        "seam costs ~8-28 s of audio decoded twice (VAD warm-up and the search for a silence).",
+    )
+    nice: int = Field(
+        0, ge=0, le=19,
+        description="processes: their niceness (0: as the service). Raise it on a CPU host whose "
+        "engine should win every contended core.",
+    )
+    step_timeout_s: float = Field(
+        120.0, ge=5.0, le=3600.0,
+        description="processes: a prep step (one chunk, ~0.1-0.3 s) running longer is a decoder "
+        "that never returns on a hostile file: its process is killed and the upload blamed.",
     )
 
 

@@ -4,7 +4,7 @@ Built by the service's own builder (app/jobs/pipeline.py: engines loaded and war
 on a GPU measures the batch cap; the VAD; the engine pool; the cross-request batcher with its
 two CPU stages, duration-aware grouping, dynamic time axis and OOM backoff; the prep pool; the
 speaker service), and every row runs as one job through the service's own
-:class:`app.jobs.work.JobWork`: probe, decode and VAD-cut a chunk at a time on the prep threads,
+:class:`app.jobs.work.JobWork`: probe, decode and VAD-cut a chunk at a time in the prep processes,
 windows handed to the batcher as they are cut, language detected inside the batch, the
 transcript assembled by :func:`app.results.transcript.transcript` (speakers assigned when
 asked). So a row's transcript is the one the service gives for the same file and options.
@@ -17,7 +17,7 @@ no-ops and the callbacks only mark the row started. Rows run concurrently up to
 engine batches and a row's decode overlaps others' inference.
 
 Everything runs on a private event loop on its own thread (the engine on its worker threads,
-prep on the prep threads, none of it on the loop): callers on any thread or loop submit rows
+prep in its processes, none of it on the loop): callers on any thread or loop submit rows
 with :meth:`LocalPipeline.submit` and get a ``concurrent.futures.Future``.
 """
 
@@ -43,7 +43,7 @@ from app.engine.startup import EngineFactory
 from app.errors import ServiceError, ShuttingDown
 from app.jobs.blobs import BlobStore
 from app.jobs.pipeline import build
-from app.jobs.prep import PrepPool
+from app.jobs.prep import Prep
 from app.jobs.store import JobRow, JobStore
 from app.jobs.work import Active, JobWork, Tools
 from app.metrics import Metrics
@@ -108,7 +108,7 @@ def _progressed(job: JobRow, active: Active) -> None:
     pass  # progress is counted per row by the caller
 
 
-def tools(settings: Settings, prep: PrepPool, vad: Vad, batcher: Batcher,
+def tools(settings: Settings, prep: Prep, vad: Vad, batcher: Batcher,
           speakers: SpeakerService) -> Tools:
     """What every row's :class:`JobWork` uses, as the job runner builds it, less the store."""
     return Tools(settings, cast(JobStore, _Store()), cast(BlobStore, _Blobs()), prep, vad,

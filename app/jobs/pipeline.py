@@ -31,19 +31,13 @@ from app.engine.sizing import EngineSizing, resolve_batcher
 from app.engine.startup import EngineFactory, start_engines
 from app.engine.whisper import size_class
 from app.jobs.live import LiveHall
-from app.jobs.prep import PrepPool, prep_threads
+from app.jobs.prep import Prep, make_prep
 from app.jobs.store import JobStore
 from app.metrics import Metrics
 from app.net.outbound import OutboundGuard
 from app.speakers.service import SpeakerService
 
 log = logging.getLogger(__name__)
-
-
-def make_prep(settings: Settings, engines: int = 1) -> PrepPool:
-    """The prep pool (decode, VAD, cut) every job's audio goes through: ``prep.workers`` (0:
-    one per core), at least one per engine. The one place it is made."""
-    return PrepPool(prep_threads(settings.prep.workers, engines))
 
 
 def make_stages(settings: Settings, pool: EnginePool) -> Stages | None:
@@ -91,7 +85,7 @@ class Pipeline:
     pool: EnginePool
     batcher: Batcher
     batcher_settings: BatcherSettings  # with the GPU sizing filled in
-    prep: PrepPool
+    prep: Prep  # decode, VAD, cut: prep processes (app/audio/procs), or threads
     speakers: SpeakerService
     sizings: list[EngineSizing]
 
@@ -140,7 +134,7 @@ async def build(settings: Settings, engine_factory: EngineFactory,
     device = engine.info.device if engine.info.device != "auto" else resolve_device("auto")
     if device != monitor.device:  # an injected engine on another device (tests)
         monitor = await asyncio.to_thread(DeviceMonitor, device)
-    # Silero runs on the prep threads' CPU, one per prep thread.
+    # Silero runs in the prep processes (or threads), on their CPU.
     vad_kind = "silero" if settings.model.vad == "auto" else settings.model.vad
     vad = await asyncio.to_thread(make_vad, vad_kind, device, settings.prep.speech_pad_s)
     pool = make_pool(started.engines, settings, started.failed)  # least loaded engine first
@@ -156,6 +150,9 @@ async def build(settings: Settings, engine_factory: EngineFactory,
     except BaseException:
         await asyncio.to_thread(pool.close)
         raise
+    # Prep processes, spawned now (they start while the rest does; ready before the service).
+    prep = make_prep(settings, len(started.engines), batch=batcher_settings.max_batch_size,
+                     workers=pool.workers, vad=vad)
+    await prep.start()
     return Pipeline(settings, metrics, monitor, device, vad, vad_kind, pool, batcher,
-                    batcher_settings, make_prep(settings, len(started.engines)), speakers,
-                    started.sizings)
+                    batcher_settings, prep, speakers, started.sizings)
