@@ -1,0 +1,273 @@
+"""The feed bench (issue 50): how fast the service's CPU side can feed an engine that answers at
+once, against prep alone on the same files, for this tree and (``--base``) the commit before.
+
+Per format (loadtest/feed_audio.py), in one run:
+
+* ``ceiling``: prep alone (decode, Silero, cut), one process per core, the uploads pulled from
+  one queue, no service: windows per second. ``one_core``: one process, one upload.
+* per tree, the real service (``loadtest/feed_tree.py serve``: HTTP, store, prep, batcher; the
+  engine a stand-in answering at once, batch cap ``--batch`` as the GPU's sizing sets it, the
+  per-job memory cap off as on a GPU) and three steps:
+  - ``many``: ``--uploads`` 20-minute uploads posted at once: windows per second reaching the
+    engine (first to last window) against the ceiling (target >= 0.85x);
+  - ``mixed``: the same while ``--clients`` clients post short corpus clips (<= 10 s), each
+    at real-time pace (a clip, then the rest of its duration): the long uploads' windows per
+    second against the ceiling (target >= 0.8x), and the short requests' latency;
+  - ``one``: one upload alone, against ``one_core`` (target >= 1.7x on 2 cores).
+
+Timings are wall clock on whatever else the machine runs: run it on a quiet machine. The base
+tree is ``git archive``d into ``--work`` (the repository is not touched).
+
+    python -m loadtest.feed --base 2f89645                      # wav16, wav48s, flac, mp3
+    python -m loadtest.feed --formats wav16 --uploads 4 --minutes 2 --clients 4   # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+from loadtest.common import (
+    ROOT,
+    SHORT_CLIP_S,
+    Clip,
+    cpu_count,
+    free_port,
+    load_corpus,
+    machine_info,
+    wait_up,
+)
+from loadtest.feed_audio import FORMATS, uploads
+from loadtest.probes import cpu_seconds
+from loadtest.scoring import latency_summary
+
+TREE_SCRIPT = ROOT / "loadtest" / "feed_tree.py"
+TERMINAL = ("done", "failed", "cancelled")
+
+
+def tree_env(tree: Path, extra: dict[str, str] | None = None) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("BATCHSCRIBE_")}
+    env["PYTHONPATH"] = str(tree)
+    return {**env, **(extra or {})}
+
+
+def base_tree(commit: str, work: Path) -> Path:
+    """The commit's files (``git archive``), once."""
+    rev = subprocess.run(["git", "rev-parse", "--short", commit], cwd=ROOT, check=True,
+                         capture_output=True, text=True).stdout.strip()
+    out = work / f"tree-{rev}"
+    if not (out / "app").is_dir():
+        out.mkdir(parents=True, exist_ok=True)
+        archive = subprocess.run(["git", "archive", rev], cwd=ROOT, check=True,
+                                 capture_output=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(out)], input=archive, check=True)
+    return out
+
+
+def ceiling(tree: Path, files: list[Path], procs: int) -> dict[str, Any]:
+    out = subprocess.run([sys.executable, str(TREE_SCRIPT), "ceiling", "--procs", str(procs),
+                          *map(str, files)], cwd=tree, env=tree_env(tree), check=True,
+                         capture_output=True, text=True)
+    return dict(json.loads(out.stdout))
+
+
+class Service:
+    def __init__(self, tree: Path, work: Path, batch: int, workers: int) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        data = work / f"svc-{tree.name}-{self.port}"
+        data.mkdir(parents=True, exist_ok=True)
+        self.log = data / "server.log"
+        env = tree_env(tree, {
+            "BATCHSCRIBE_STORAGE__DATA_DIR": str(data),
+            "BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE": str(batch),
+            "BATCHSCRIBE_BATCHER__JOB_MEMORY_MB": "0",  # a GPU's sizing lets one job fill it
+            "BATCHSCRIBE_LIMITS__MAX_BACKLOG_S": "1000000",
+            "BATCHSCRIBE_LIMITS__MAX_TRANSFERS_PER_KEY": "1000",
+            "BATCHSCRIBE_LIMITS__SYNC_TIMEOUT_S": "3600",
+        })
+        with self.log.open("ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, str(TREE_SCRIPT), "serve", "--port", str(self.port),
+                 "--workers", str(workers)], cwd=tree, env=env, stdout=log,
+                stderr=subprocess.STDOUT)
+        tail = lambda: self.log.read_text(errors="replace")[-3000:]  # noqa: E731
+        if not wait_up(self.proc, self.url + "/readyz", 300, "service", tail):
+            self.stop()
+            raise RuntimeError(f"service not ready:\n{tail()}")
+
+    def cpu_s(self) -> dict[str, float]:
+        """CPU seconds of the service process and of its children (prep processes)."""
+        kids = 0.0
+        for stat in Path("/proc").glob("[0-9]*/stat"):
+            try:
+                fields = stat.read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == self.proc.pid:
+                kids += cpu_seconds(int(stat.parent.name))
+        return {"service": round(cpu_seconds(self.proc.pid), 2), "children": round(kids, 2)}
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+
+
+async def post(http: aiohttp.ClientSession, path: Path) -> dict[str, Any]:
+    """One upload, waited for (a 429 is retried after its Retry-After, a 202 polled)."""
+    while True:
+        with path.open("rb") as f:
+            form = aiohttp.FormData()
+            form.add_field("file", f, filename=path.name)
+            form.add_field("language", "en")
+            async with http.post("/transcribe", params={"wait": "true"}, data=form) as r:
+                status, job = r.status, await r.json()
+        if status != 429:
+            break
+        await asyncio.sleep(float(job.get("error", {}).get("retry_after_s", 1.0)))
+    while job.get("status") not in TERMINAL and "id" in job:
+        await asyncio.sleep(0.5)
+        async with http.get(f"/jobs/{job['id']}") as r:
+            job = await r.json()
+    return dict(job)
+
+
+def windows_of(job: dict[str, Any]) -> int:
+    return int((job.get("progress") or {}).get("windows_total") or 0)
+
+
+async def short_client(http: aiohttp.ClientSession, clips: list[Clip], k: int,
+                       stop: asyncio.Event, out: list[dict[str, Any]]) -> None:
+    i = 5 * k
+    while not stop.is_set():
+        clip = clips[i % len(clips)]
+        i += 1
+        t0 = time.monotonic()
+        job = await post(http, Path(clip.path))
+        t1 = time.monotonic()
+        out.append({"latency_s": t1 - t0, "ok": job.get("status") == "done",
+                    "windows": windows_of(job)})
+        with contextlib.suppress(TimeoutError):  # real-time pace: the next clip once this
+            await asyncio.wait_for(stop.wait(), max(0.0, clip.duration_s - (t1 - t0)))  # ends
+
+
+async def step(svc: Service, files: list[Path], ref: dict[str, Any], clips: list[Clip],
+               clients: int) -> dict[str, Any]:
+    timeout = aiohttp.ClientTimeout(total=7200)
+    async with aiohttp.ClientSession(svc.url, timeout=timeout,
+                                     connector=aiohttp.TCPConnector(limit=512)) as http:
+        async with http.get("/feed-stats", params={"reset_after": 1}):
+            pass
+        cpu0 = svc.cpu_s()
+        t0 = time.time()
+        stop = asyncio.Event()
+        shorts: list[dict[str, Any]] = []
+        users = [asyncio.ensure_future(short_client(http, clips, k, stop, shorts))
+                 for k in range(clients)]
+        jobs = await asyncio.gather(*(post(http, f) for f in files))
+        t_end = time.time()
+        stop.set()
+        await asyncio.gather(*users)
+        async with http.get("/feed-stats") as r:
+            stats = await r.json()
+    cpu1 = svc.cpu_s()
+    ok = [j for j in jobs if j.get("status") == "done"]
+    long_windows = sum(windows_of(j) for j in ok)
+    first = stats["first"] or t0
+    span = max(1e-6, (stats["last"] or t0) - first)
+    long_span = max(1e-6, t_end - first)
+    rate = stats["windows"] / span
+    long_rate = long_windows / long_span
+    out = {
+        "uploads": len(files), "ok": len(ok),
+        "errors": sorted({json.dumps(j.get("error")) for j in jobs if j not in ok})[:3],
+        "windows_engine": stats["windows"], "windows_long": long_windows,
+        "audio_s_engine": round(stats["audio_s"], 1), "batches": stats["batches"],
+        "first_window_s": round(first - t0, 3), "engine_span_s": round(span, 3),
+        "windows_per_s": round(rate, 2), "long_windows_per_s": round(long_rate, 2),
+        "windows_per_s_from_post": round(stats["windows"] / max(1e-6, t_end - t0), 2),
+        "vs_ceiling": round(rate / ref["windows_per_s"], 3),
+        "long_vs_ceiling": round(long_rate / ref["windows_per_s"], 3),
+        "latency_long": latency_summary([(j.get("finished_at") or t_end) - t0 for j in ok]),
+        "cpu_s": {k: round(cpu1[k] - cpu0[k], 2) for k in cpu0},
+    }
+    if clients:
+        out["short"] = {"clients": clients, "requests": len(shorts),
+                        "failed": sum(not s["ok"] for s in shorts),
+                        "windows": sum(s["windows"] for s in shorts),
+                        "latency": latency_summary([s["latency_s"] for s in shorts if s["ok"]])}
+    return out
+
+
+def save(report: dict[str, Any], path: Path) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=1) + "\n")
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--base", help="also measure this commit (e.g. 2f89645, before issue 50)")
+    ap.add_argument("--formats", default="wav16,wav48s,flac,mp3")
+    ap.add_argument("--uploads", type=int, default=16)
+    ap.add_argument("--minutes", type=float, default=20.0)
+    ap.add_argument("--clients", type=int, default=32)
+    ap.add_argument("--batch", type=int, default=128, help="the batch cap (the H200's sizing)")
+    ap.add_argument("--engine-workers", type=int, default=2)
+    ap.add_argument("--procs", type=int, default=cpu_count(), help="ceiling: prep processes")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/batchscribe-feed"))
+    ap.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results" / "feed.json")
+    args = ap.parse_args(argv)
+    trees = {"this": ROOT}
+    if args.base:
+        trees = {"base": base_tree(args.base, args.work), **trees}
+    report: dict[str, Any] = {
+        "command": "python -m loadtest.feed " + " ".join(argv if argv is not None else sys.argv[1:]),
+        "machine": machine_info(), "trees": {k: str(v) for k, v in trees.items()},
+        "base_commit": args.base, "uploads": args.uploads, "minutes": args.minutes,
+        "clients": args.clients, "batch": args.batch, "engine_workers": args.engine_workers,
+        "formats": {}}
+    clips = load_corpus()
+    shorts = [c for c in clips if c.duration_s <= SHORT_CLIP_S]
+    for fmt in args.formats.split(","):
+        assert fmt in FORMATS, fmt
+        files = uploads(clips, args.work / "audio", args.uploads, args.minutes, fmt)
+        res: dict[str, Any] = {}
+        report["formats"][fmt] = res
+        for name, tree in trees.items():
+            r = res[name] = {"ceiling": ceiling(tree, files, args.procs),
+                             "one_core": ceiling(tree, files[:1], 1)}
+            save(report, args.out)
+            svc = Service(tree, args.work, args.batch, args.engine_workers)
+            try:
+                r["many"] = asyncio.run(step(svc, files, r["ceiling"], shorts, 0))
+                save(report, args.out)
+                r["mixed"] = asyncio.run(step(svc, files, r["ceiling"], shorts, args.clients))
+                save(report, args.out)
+                r["one"] = asyncio.run(step(svc, files[:1], r["one_core"], shorts, 0))
+            finally:
+                svc.stop()
+            save(report, args.out)
+            print(f"{fmt} {name}: many {r['many']['vs_ceiling']}x, mixed "
+                  f"{r['mixed']['long_vs_ceiling']}x, one {r['one']['vs_ceiling']}x "
+                  "(of one core)", flush=True)
+    print(f"feed: wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
