@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import logging
 from dataclasses import replace
 
 import numpy as np
@@ -29,6 +30,7 @@ from app.audio.procs.wire import Out, Spec
 from app.errors import DecoderCrashed, ShuttingDown
 from app.windows import SAMPLE_RATE, Window
 
+log = logging.getLogger(__name__)
 STRIKES = 2  # crashes blamed on one part before its job fails
 
 
@@ -106,6 +108,8 @@ class ProcFeed:
         if self._part(stream) == 0 and not self._planned:
             self._planned = True
             if parts > 1 and duration_s:
+                log.info("upload split", extra={"job_id": self.req.job_id, "parts": parts,
+                                                "duration_s": round(duration_s, 1)})
                 self.parts = parts
                 layout = plan(duration_s, parts)
                 base = replace(self._specs[0], split=1)
