@@ -21,8 +21,6 @@ import collections
 import logging
 from dataclasses import replace
 
-import numpy as np
-
 from app.audio.feeding import Delivery, Request
 from app.audio.parts import Part, plan
 from app.audio.procs.pool import ProcPool, Stream
@@ -32,12 +30,6 @@ from app.windows import SAMPLE_RATE, Window
 
 log = logging.getLogger(__name__)
 STRIKES = 2  # crashes blamed on one part before its job fails
-
-
-def engine_audio(window: np.ndarray) -> np.ndarray:
-    """A window read from its slot as the engine takes it: float32 in [-1, 1] today. Once the
-    engine takes int16 windows (scaled by 1/32768 on the device) this returns ``window``."""
-    return np.multiply(window, np.float32(1 / 32768), dtype=np.float32)
 
 
 class ProcFeed:
@@ -131,18 +123,14 @@ class ProcFeed:
             for s in self._streams.values():
                 self.pool.ungate(s)
         windows, tokens, channels = [], [], []
-        for slot, n, start, end, channel in out.windows:
-            windows.append(Window(engine_audio(self.pool.window(slot, n)),
-                                  start / SAMPLE_RATE, end / SAMPLE_RATE))
+        for (slot, _, start, end, channel), samples in zip(out.windows, out.arrays, strict=True):
+            windows.append(Window(samples, start / SAMPLE_RATE, end / SAMPLE_RATE))
             tokens.append(slot)
             channels.append(channel)
         self._delivered[k] += len(windows)
         self._fed = max(self._fed, out.fed)
-        audio = None
-        if out.audio is not None:
-            pcm = np.frombuffer(out.audio, dtype=np.int16).reshape(out.channels, -1)
-            audio = np.multiply(pcm if out.channels > 1 else pcm[0], np.float32(1 / 32768),
-                                dtype=np.float32)
+        audio = out.chunk
+        if audio is not None:
             self._audio_to = out.audio_start + audio.shape[-1]
         if out.seam is not None:
             self._seams[k] = out.seam

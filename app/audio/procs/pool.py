@@ -30,12 +30,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-import numpy as np
-
 from app.audio.feeding import Credits
 from app.audio.procs import child
 from app.audio.procs.proc import Owner, Proc, Stream
-from app.audio.procs.slots import Arena
+from app.audio.procs.slots import Arena, engine_audio
 from app.audio.procs.wire import Failure, Out, Spec
 from app.audio.vad import SileroModel
 from app.errors import ShuttingDown
@@ -78,7 +76,13 @@ class ProcPool:
 
     def _proc(self, index: int) -> Proc:
         return Proc(index, self.target, (self.arena.name, self.arena.count, self.nice),
-                    ("model", self.model), self.post)
+                    ("model", self.model), self.post, self._unpack)
+
+    def _unpack(self, msg: tuple[Any, ...]) -> None:
+        """On a pipe's reader thread: a record's samples read out of their slots (the slots
+        are the stream's until released, so nothing else writes them meanwhile)."""
+        if msg[0] == "out":
+            msg[2].unpack(self.arena.view, engine_audio)
 
     async def ready(self) -> None:
         """Until every process has started (benchmarks and tests; the service does not wait:
@@ -171,9 +175,6 @@ class ProcPool:
     def ack(self, s: Stream) -> None:
         if not s.ended:
             s.proc.send(("ack", s.sid))
-
-    def window(self, slot: int, n: int) -> np.ndarray:
-        return self.arena.view(slot, n)
 
     def release(self, slot: int) -> None:
         s = self._holder.pop(slot, None)

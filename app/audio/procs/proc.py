@@ -49,7 +49,8 @@ class Proc:
     behind the VAD graph, until it is started), ``dead`` once its pipe ends."""
 
     def __init__(self, index: int, target: Callable[..., None], args: tuple[Any, ...],
-                 first: tuple[Any, ...], post: Callable[[Proc, tuple[Any, ...]], None]) -> None:
+                 first: tuple[Any, ...], post: Callable[[Proc, tuple[Any, ...]], None],
+                 unpack: Callable[[tuple[Any, ...]], None]) -> None:
         self.index = index
         self.streams: set[int] = set()
         self.busy: int | None = None
@@ -66,6 +67,7 @@ class Proc:
         # are read while the child imports its modules, and the start would wait for that.
         self._outbox.put(first)
         self._post = post
+        self._unpack = unpack  # run on the reader thread before a record is posted
 
     def start(self) -> None:
         """Blocking (the spawn writes its arguments down the pipe): off the event loop."""
@@ -93,6 +95,7 @@ class Proc:
             except (EOFError, OSError):
                 post(self, ("dead",))
                 return
+            self._unpack(msg)
             post(self, msg)
 
     def stop(self) -> None:

@@ -28,6 +28,12 @@ SLOT_BYTES = SLOT_SAMPLES * 2  # int16
 SHM_DIR = "/dev/shm"
 
 
+def engine_audio(window: np.ndarray) -> np.ndarray:
+    """A window read from its slot as the engine takes it: float32 in [-1, 1] today. Once the
+    engine takes int16 windows (scaled by 1/32768 on the device) this returns ``window``."""
+    return np.multiply(window, np.float32(1 / 32768), dtype=np.float32)
+
+
 def shm_room(path: str = SHM_DIR) -> int | None:
     """Bytes free where shared memory lives (a container's /dev/shm is 64 MB by default)."""
     try:

@@ -28,6 +28,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from app.audio.parts import Part
 from app.errors import ServiceError
 
@@ -58,6 +60,18 @@ class Out:
     seam: int | None = None  # a part's seam, once found (-1: the part is empty)
     done: bool = False  # the stream's last record
     unused: list[int] = field(default_factory=list)  # slots given back with ``done``
+    # Made in the service by the pipe's reader thread (numpy lets go of the GIL): the windows'
+    # samples as the engine takes them, the chunk's as float32. Off the event loop.
+    arrays: list[Any] = field(default_factory=list)
+    chunk: Any = None
+
+    def unpack(self, view: Any, engine_audio: Any) -> None:
+        self.arrays = [engine_audio(view(slot, n)) for slot, n, *_ in self.windows]
+        if self.audio is not None:
+            pcm = np.frombuffer(self.audio, dtype=np.int16).reshape(self.channels, -1)
+            self.chunk = np.multiply(pcm if self.channels > 1 else pcm[0],
+                                     np.float32(1 / 32768), dtype=np.float32)
+            self.audio = b""
 
 
 @dataclass(frozen=True)
