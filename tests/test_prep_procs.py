@@ -31,7 +31,7 @@ from app.audio.parts import plan, splittable
 from app.audio.procs import ProcFeed, ProcPool
 from app.audio.vad import SileroVad
 from app.errors import DecoderCrashed, ShuttingDown
-from app.windows import SAMPLE_RATE
+from app.windows import SAMPLE_RATE, as_float
 from tests.conftest import Clip
 from tests.fakes import BOUND
 from tests.prep_faults import crashing_main
@@ -66,7 +66,7 @@ async def drain(feed: ProcFeed, hold: bool = False,
     try:
         while (d := await asyncio.wait_for(feed.next(), BOUND)) is not None:
             for w, c, t in zip(d.windows, d.channels, d.tokens, strict=True):
-                seen.append((d.part, w.start, w.end, c, float(np.abs(w.audio).sum())))
+                seen.append((d.part, w.start, w.end, c, float(np.abs(as_float(w.audio)).sum())))
                 if not hold:
                     feed.release(t)
             n += 1
@@ -105,7 +105,7 @@ async def test_a_process_gives_the_windows_of_one_pass(pools: Callable[..., Any]
         want: Seen = []
         while not stream.done:
             c = stream.read_chunk()
-            want += [(0, w.start, w.end, ch, float(np.abs(w.audio).sum()))
+            want += [(0, w.start, w.end, ch, float(np.abs(as_float(w.audio)).sum()))
                      for w, ch in zip(c.windows, c.channels, strict=True)]
         assert got == want and len(want) > 15
     await all_slots_back(pool)
@@ -138,7 +138,7 @@ async def test_a_split_upload_comes_back_whole(pools: Callable[..., Any], upload
     duration = splittable(upload)
     assert duration is not None
     windows, _ = side_by_side(upload, vad, plan(duration, 3))
-    want = sorted((w.start, w.end, float(np.abs(w.audio).sum())) for w in windows)
+    want = sorted((w.start, w.end, float(np.abs(as_float(w.audio)).sum())) for w in windows)
     assert sorted((s, e, a) for _, s, e, _, a in got) == want
     by_part = [[g for g in got if g[0] == k] for k in range(3)]
     assert [g[1] for g in by_part[0] + by_part[1] + by_part[2]] == [w[0] for w in want]

@@ -24,7 +24,7 @@ import pytest
 from app.audio import decode
 from app.engine import EngineInfo
 from app.main import create_app
-from app.windows import DecodeOptions, Window, WindowResult
+from app.windows import DecodeOptions, Window, WindowResult, as_float
 from tests.conftest import Clip
 from tests.fakes import BOUND
 from tests.test_crash import wait_until
@@ -45,7 +45,7 @@ class Recorder:
     def transcribe_batch(self, windows: Sequence[Window],
                          options: DecodeOptions) -> list[WindowResult]:
         with self._lock:
-            self.seen += [(round(w.start, 3), round(w.end, 3), float(np.abs(w.audio).sum()))
+            self.seen += [(round(w.start, 3), round(w.end, 3), float(np.abs(as_float(w.audio)).sum()))
                           for w in windows]
             n = len(self.seen)
         self.hook(n)

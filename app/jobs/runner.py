@@ -1,14 +1,13 @@
 """The job runner: claims queued jobs from the store, runs each (app/jobs/work.py), finishes it.
 
-Per job: its audio is prepared by the prep stage (app/jobs/prep.py: prep processes, or threads)
-and its windows go to the batcher as they are cut (:class:`app.jobs.work.JobWork`); results are
-reassembled in upload order. Jobs are claimed only as fast as prep starts them (about ``prep
-workers + 1`` claimed and not started), so a replica never sits on work another could start,
-and a drain gives unstarted jobs back at no cost. The job's work and housekeeping
-(app/jobs/upkeep.py) hold no reference to the runner: they get its shared parts and a few
-callbacks (``Tools``, ``Hooks``). Whoever follows a job (event streams, waits) does so through
-the runner's event hub (``events``, app/jobs/events.py), which the runner tells of every change
-and every end.
+Per job: its audio is prepared by the prep stage (app/jobs/prep.py) and its windows go to the
+batcher as they are cut (:class:`app.jobs.work.JobWork`); results are reassembled in upload
+order. Jobs are claimed only as fast as prep starts them (about ``prep workers + 1`` claimed and
+not started), so a replica never sits on work another could start, and a drain gives unstarted
+jobs back at no cost. The job's work and housekeeping (app/jobs/upkeep.py) hold no reference to
+the runner: they get its shared parts and a few callbacks (``Tools``, ``Hooks``). Whoever
+follows a job (event streams, waits) does so through the runner's event hub (``events``,
+app/jobs/events.py), which the runner tells of every change and every end.
 """
 
 from __future__ import annotations
@@ -71,7 +70,6 @@ class JobRunner:
 
     # ---- lifecycle ---------------------------------------------------------------------------
     async def start(self) -> None:
-        await self.prep.start()
         # SQLite: this is the only process on the file, so every "running" job is one it was
         # running when it stopped. Shared (PostgreSQL): only its own, if its replica id is stable
         # (a restarted container); other replicas' jobs come back when their leases expire.

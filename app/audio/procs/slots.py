@@ -29,9 +29,11 @@ SHM_DIR = "/dev/shm"
 
 
 def engine_audio(window: np.ndarray) -> np.ndarray:
-    """A window read from its slot as the engine takes it: float32 in [-1, 1] today. Once the
-    engine takes int16 windows (scaled by 1/32768 on the device) this returns ``window``."""
-    return np.multiply(window, np.float32(1 / 32768), dtype=np.float32)
+    """A window read from its slot as the engine takes it: the int16 slot itself (the engine
+    reads int16 windows as x / 32768, and sends a batch of them to a GPU as int16: half the
+    copy, app/engine/mel.py). No copy in the service: the slot is the window's memory until its
+    batch is done. (Before the engine took int16 this was the one line that made float32.)"""
+    return window
 
 
 def shm_room(path: str = SHM_DIR) -> int | None:
