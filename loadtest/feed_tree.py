@@ -28,9 +28,10 @@ def serve(args: argparse.Namespace) -> None:
 
     from app.config import Settings
     from app.engine import EngineInfo
-    from app.main import create_app
+    from app.main import create_app, setup_logging
     from app.windows import WindowResult
 
+    setup_logging("INFO")  # the service's JSON log lines, into the step's server.log
     lock = threading.Lock()
     stats: dict[str, Any] = {}
 
@@ -80,7 +81,7 @@ def serve(args: argparse.Namespace) -> None:
                 reset()
         return out
 
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", log_config=None)
 
 
 def _worker(ready: Any, start: Any, todo: Any, done: Any) -> None:
