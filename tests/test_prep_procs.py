@@ -30,7 +30,7 @@ from app.audio.feeding import Credits, Request
 from app.audio.parts import plan, splittable
 from app.audio.procs import ProcFeed, ProcPool
 from app.audio.vad import SileroVad
-from app.errors import DecoderCrashed, ShuttingDown
+from app.errors import DecoderCrashed, ShuttingDown, UnsupportedMedia
 from app.windows import SAMPLE_RATE, as_float
 from tests.conftest import Clip
 from tests.fakes import BOUND
@@ -234,3 +234,17 @@ async def test_shutdown_releases_a_waiting_feed(pools: Callable[..., Any], uploa
         while await asyncio.wait_for(feed.next(), BOUND) is not None:
             pass
     await feed.close()
+
+
+async def test_an_upload_that_is_not_audio_fails_with_its_own_error(
+        pools: Callable[..., Any], vad: SileroVad, tmp_path: Path) -> None:
+    """A job whose file does not decode (what the upload probe did not catch, or a file
+    changed in the blob store) gets the 415 the thread path gave, not an internal error, and
+    the process lives on."""
+    junk = tmp_path / "junk.wav"
+    junk.write_bytes(b"RIFF\x00\x00\x00\x00WAVEnot really" * 512)
+    pool = await pools(vad, 1)
+    with pytest.raises(UnsupportedMedia):
+        await drain(ProcFeed(pool, request(junk), 1, 300))
+    assert pool.deaths == 0
+    await all_slots_back(pool)

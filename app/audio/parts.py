@@ -35,6 +35,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+import av
 import numpy as np
 
 from app.audio.media import AudioDecoder, NotSeekable, _declared_duration, open_audio
@@ -42,6 +43,7 @@ from app.audio.server_vad import TunedVad
 from app.audio.spans import CHUNK, SpanTracker
 from app.audio.stream import Chunk, _Track
 from app.audio.vad import SileroVad, Vad
+from app.errors import UnsupportedMedia
 from app.windows import SAMPLE_RATE, Window
 
 WARM_S = 8.0
@@ -70,11 +72,15 @@ def plan(duration_s: float, parts: int) -> list[Part]:
 
 def splittable(path: Path) -> float | None:
     """The upload's declared duration in seconds if it can be split (a container that seeks
-    where its timestamps say, with a duration in its header), else None."""
-    with open_audio(path) as c:
-        if c.format.name not in SPLITTABLE:
-            return None
-        return _declared_duration(c, c.streams.audio[0])
+    where its timestamps say, with a duration in its header), else None (also for a file that
+    does not open: the stream that opens it says why)."""
+    try:
+        with open_audio(path) as c:
+            if c.format.name not in SPLITTABLE:
+                return None
+            return _declared_duration(c, c.streams.audio[0])
+    except (av.error.FFmpegError, UnsupportedMedia, OSError, ValueError, IndexError):
+        return None
 
 
 def find_seam(probs: np.ndarray, first: int, lo: int, neg: float, pad: float,

@@ -123,7 +123,7 @@ class Worker:
                     silero_of(vad)  # parts need Silero
                     duration = splittable(path)
                     if duration:
-                        parts = min(spec.split, int(duration // spec.part_s))
+                        parts = max(1, min(spec.split, int(duration // spec.part_s)))
                 if parts > 1:
                     assert duration is not None
                     stream = PartStream(path, vad, spec.max_audio_s, spec.chunk_s,

@@ -145,6 +145,7 @@ class ProcPool:
         self.streams[s.sid] = s
         if self.broken or self._closed:
             s.ended = True
+            self._forget(s)
             assert self._loop is not None
             self._loop.call_soon(owner.failed, s, self._refusal())
             return s
