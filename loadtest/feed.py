@@ -95,6 +95,7 @@ class Service:
             "BATCHSCRIBE_BATCHER__MAX_BATCH_SIZE": str(batch),
             "BATCHSCRIBE_BATCHER__JOB_MEMORY_MB": "0",  # a GPU's sizing lets one job fill it
             "BATCHSCRIBE_LIMITS__MAX_BACKLOG_S": "1000000",
+            "BATCHSCRIBE_LIMITS__MAX_UPLOAD_BYTES": str(2**30),  # 20 min at 48 kHz stereo: 230 MB
             "BATCHSCRIBE_LIMITS__MAX_TRANSFERS_PER_KEY": "1000",
             "BATCHSCRIBE_LIMITS__SYNC_TIMEOUT_S": "3600",
         })
