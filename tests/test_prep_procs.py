@@ -36,6 +36,7 @@ from tests.conftest import Clip
 from tests.fakes import BOUND
 from tests.prep_faults import crashing_main
 from tests.test_parts import side_by_side, speech, upload, vad  # noqa: F401  (fixtures)
+from tests.test_prep import write_wav
 
 Seen = list[tuple[int, float, float, int, float]]  # (part, start, end, channel, checksum)
 
@@ -248,3 +249,20 @@ async def test_an_upload_that_is_not_audio_fails_with_its_own_error(
         await drain(ProcFeed(pool, request(junk), 1, 300))
     assert pool.deaths == 0
     await all_slots_back(pool)
+
+
+async def test_later_parts_wait_for_the_first_parts_window(pools: Callable[..., Any],
+                                                           speech: np.ndarray, vad: SileroVad,
+                                                           tmp_path: Path) -> None:
+    """An upload whose language is detected once, from its first speech window: its later
+    parts make no window (they get no slot) until the first part has made one, so the first
+    window the batcher gets, and detects the language from, is the upload's first. Here the
+    upload opens with 150 s of silence: its first part's first window needs three chunks, the
+    later parts' first windows only their warm-up and seam (~30 s of audio)."""
+    quiet = np.concatenate([np.zeros(150 * SAMPLE_RATE, np.float32), speech])
+    path = write_wav(tmp_path / "late.wav", quiet)
+    pool = await pools(vad, 3)
+    feed = ProcFeed(pool, request(path, first_part_first=True), 3, 120)
+    got = await drain(feed)
+    assert feed.parts == 3 and got[0][0] == 0 and got[0][1] >= 140.0, got[:2]
+    assert {w[0] for w in got} == {0, 1, 2}
