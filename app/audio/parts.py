@@ -34,6 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import av
 import numpy as np
@@ -129,11 +130,20 @@ def spans_at(vad: Vad, origin: int) -> SpanTracker:
     return vad.spans(origin)
 
 
+class Probabilities(Protocol):
+    """Silero's speech probabilities of audio fed in pieces (app/audio/vad.py)."""
+
+    def feed(self, samples: np.ndarray) -> np.ndarray: ...
+
+    def finish(self) -> np.ndarray: ...
+
+
 class WarmStream:
     """A :class:`~app.audio.vad.VadStream` whose probabilities were computed from before its
     origin (the warm-up): those from the origin on are handed over once, then it runs on."""
 
-    def __init__(self, probs: object, spans: SpanTracker, backlog: np.ndarray | None) -> None:
+    def __init__(self, probs: Probabilities, spans: SpanTracker,
+                 backlog: np.ndarray | None) -> None:
         self._probs = probs
         self._spans = spans
         self._backlog: np.ndarray | None = backlog
@@ -144,10 +154,10 @@ class WarmStream:
         if self._backlog is not None:  # ``samples``: the audio the backlog was computed from
             p, self._backlog = self._backlog, None
             return self._spans.feed(p)
-        return self._spans.feed(self._probs.feed(samples))  # type: ignore[attr-defined]
+        return self._spans.feed(self._probs.feed(samples))
 
     def finish(self) -> list[tuple[int, int]]:
-        out = self._spans.feed(self._probs.finish())  # type: ignore[attr-defined]
+        out = self._spans.feed(self._probs.finish())
         return out + self._spans.finish(self._n)
 
     def frontier(self) -> int:
