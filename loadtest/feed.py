@@ -132,21 +132,25 @@ class Service:
 
 
 async def post(http: aiohttp.ClientSession, path: Path) -> dict[str, Any]:
-    """One upload, waited for (a 429 is retried after its Retry-After, a 202 polled)."""
-    while True:
-        with path.open("rb") as f:
-            form = aiohttp.FormData()
-            form.add_field("file", f, filename=path.name)
-            form.add_field("language", "en")
-            async with http.post("/transcribe", params={"wait": "true"}, data=form) as r:
-                status, job = r.status, await r.json()
-        if status != 429:
-            break
-        await asyncio.sleep(float(job.get("error", {}).get("retry_after_s", 1.0)))
-    while job.get("status") not in TERMINAL and "id" in job:
-        await asyncio.sleep(0.5)
-        async with http.get(f"/jobs/{job['id']}") as r:
-            job = await r.json()
+    """One upload, waited for (a 429 is retried after its Retry-After, a 202 polled). A
+    connection the service dropped is the step's error, never retried (the job may exist)."""
+    try:
+        while True:
+            with path.open("rb") as f:
+                form = aiohttp.FormData()
+                form.add_field("file", f, filename=path.name)
+                form.add_field("language", "en")
+                async with http.post("/transcribe", params={"wait": "true"}, data=form) as r:
+                    status, job = r.status, await r.json()
+            if status != 429:
+                break
+            await asyncio.sleep(float(job.get("error", {}).get("retry_after_s", 1.0)))
+        while job.get("status") not in TERMINAL and "id" in job:
+            await asyncio.sleep(0.5)
+            async with http.get(f"/jobs/{job['id']}") as r:
+                job = await r.json()
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        return {"status": "client_error", "error": f"{type(exc).__name__}: {exc}"}
     return dict(job)
 
 
@@ -173,7 +177,8 @@ async def step(svc: Service, files: list[Path], ref: dict[str, Any], clips: list
                clients: int) -> dict[str, Any]:
     timeout = aiohttp.ClientTimeout(total=7200)
     async with aiohttp.ClientSession(svc.url, timeout=timeout,
-                                     connector=aiohttp.TCPConnector(limit=512)) as http:
+                                     connector=aiohttp.TCPConnector(limit=512,
+                                                                    force_close=True)) as http:
         async with http.get("/feed-stats", params={"reset_after": 1}):
             pass
         cpu0 = svc.cpu_s()
