@@ -57,6 +57,7 @@ class Request:
     # Its language is detected once, from its first speech window: a split upload's later
     # parts then get no slot (make no window) until the first part has made one, or ended.
     first_part_first: bool = False
+    duration_s: float = 0.0  # by its header (where it is placed: the least loaded process)
 
 
 @dataclass

@@ -143,7 +143,8 @@ class JobWork:
                 self.job.id, str(path), r.settings.limits.max_audio_s, r.settings.prep.chunk_s,
                 separate=self.separate, vad=o.vad, audio=o.diarize,
                 split=not (o.diarize or self.separate or o.detect_only),
-                first_part_first=self.prompt.choice is not None), r.vad)
+                first_part_first=self.prompt.choice is not None,
+                duration_s=self.job.audio_seconds), r.vad)
             try:
                 await feed.start()
                 await r.started(self.job, self.active)

@@ -41,7 +41,7 @@ class ProcFeed:
         self.parts = 1
         first = Spec(request.path, request.max_audio_s, request.chunk_s, request.separate,
                      request.vad, request.audio, split=split if request.split else 1,
-                     part_s=part_s)
+                     part_s=part_s, duration_s=request.duration_s)
         self._specs: dict[int, Spec] = {0: first}
         self._streams: dict[int, Stream] = {}  # part -> its stream now
         self._planned = False

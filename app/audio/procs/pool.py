@@ -6,7 +6,7 @@ they die; the slots the windows come back in, granted as credits.
   (start-up ~1 s of CPU: it gets the VAD graph the service checked rather than building it).
   Its pipe is read by one thread (records go to the event loop) and written by another (a
   command never blocks the loop on a full pipe). All the state here belongs to the event loop.
-* **Placement.** A stream goes to the live process with the fewest open streams.
+* **Placement.** A stream goes to the live process with the least audio left to prepare.
 * **Credits.** A stream is granted slots (at most ``STREAM_AHEAD`` unused at a time), while its
   job holds fewer than its share (:class:`app.audio.feeding.Credits`); free slots go first to the
   job holding fewest, so a short upload's windows never wait behind a long one's read-ahead.
@@ -37,11 +37,22 @@ from app.audio.procs.slots import Arena, engine_audio
 from app.audio.procs.wire import Failure, Out, Spec
 from app.audio.vad import SileroModel
 from app.errors import ShuttingDown
+from app.windows import SAMPLE_RATE
 
 log = logging.getLogger(__name__)
 STREAM_AHEAD = 8  # slots a stream may hold unused: ~2-4 chunks' windows
 EARLY_DEATH_S = 30.0  # a process dying this soon after its start counts towards the backoff
 BROKEN_AFTER = 3  # early deaths in a row of every process: prep cannot start here
+
+
+def _span(spec: Spec) -> tuple[int, int]:
+    """Where a stream starts and is expected to end, in samples (a minute when unknown)."""
+    header = int(spec.duration_s * SAMPLE_RATE)
+    part = spec.part
+    if part is None:
+        return 0, header or 60 * SAMPLE_RATE
+    end = part.boundary if part.boundary is not None else max(header, part.start)
+    return part.start, end
 
 
 class ProcPool:
@@ -139,9 +150,13 @@ class ProcPool:
         return all(self._early.get(p.index, 0) >= BROKEN_AFTER for p in self.procs)
 
     def open(self, owner: Owner, job: str, spec: Spec, gated: bool = False) -> Stream:
+        """A stream on the live process with the least audio left to prepare (by the headers:
+        sixteen 20-minute uploads and one split in two, placed by count, left one process
+        20 minutes more than the other at the end)."""
         live = [p for p in self.procs if not p.dead] or self.procs
-        proc = min(live, key=lambda p: (not p.ready, len(p.streams), p.index))
-        s = Stream(next(self._sids), owner, job, spec, proc, gated=gated)
+        proc = min(live, key=lambda p: (not p.ready, self._load(p), p.index))
+        at, until = _span(spec)
+        s = Stream(next(self._sids), owner, job, spec, proc, gated=gated, at=at, until=until)
         self.streams[s.sid] = s
         if self.broken or self._closed:
             s.ended = True
@@ -153,6 +168,9 @@ class ProcPool:
         proc.send(("open", s.sid, spec))
         self._grant()
         return s
+
+    def _load(self, proc: Proc) -> int:
+        return sum(self.streams[sid].left for sid in proc.streams if sid in self.streams)
 
     def _refusal(self) -> Exception:
         if self._closed:
@@ -220,6 +238,7 @@ class ProcPool:
             s.owner.opened(s, msg[2], msg[3])
         elif kind == "out":
             out: Out = msg[2]
+            s.at = out.fed
             for slot, *_ in out.windows:
                 s.granted.discard(slot)
                 s.held.add(slot)

@@ -42,6 +42,13 @@ class Stream:
     ended: bool = False  # the process is done with it (its last record, an error, a death)
     closing: bool = False
     gated: bool = False  # no slots yet (a later part, until the first part has a window)
+    at: int = 0  # the upload's samples it has decoded up to
+    until: int = 0  # where it is expected to end (the header's duration, or its part's end)
+
+    @property
+    def left(self) -> int:
+        """Samples still to prepare, as far as is known: its process's load."""
+        return max(0, self.until - self.at) if not self.ended else 0
 
 
 class Proc:

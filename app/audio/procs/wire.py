@@ -47,6 +47,7 @@ class Spec:
     part: Part | None = None  # one part of a split upload
     skip: int = 0  # windows already delivered (a retry: the same stream, replayed)
     skip_audio: int = 0  # samples of chunk audio already delivered
+    duration_s: float = 0.0  # the upload's length by its header (placement: the least loaded)
 
 
 @dataclass
