@@ -41,6 +41,7 @@ from app.config import Settings
 from app.errors import ShuttingDown
 
 log = logging.getLogger(__name__)
+MIN_SLOTS = 8  # fewer (a container's /dev/shm nearly full) and prep runs in threads
 
 T = TypeVar("T")
 
@@ -177,7 +178,7 @@ def make_prep(settings: Settings, engines: int = 1, *, batch: int | None = None,
     if s.mode != "processes" or not isinstance(vad, SileroVad):
         return Prep(threads, credits)
     slots = slot_count(s.slots, credits)
-    if slots < 2 * credits.floor:
+    if slots < MIN_SLOTS:
         log.warning("prep runs in threads: /dev/shm has room for %d windows only; give the "
                     "container more shared memory (docker --shm-size, a memory emptyDir)", slots)
         return Prep(threads, credits)
@@ -193,7 +194,9 @@ def slot_count(configured: int, credits: Credits) -> int:
     room = shm_room()
     if room is not None and want * SLOT_BYTES > room // 2:
         fit = int(room // 2 // SLOT_BYTES)
-        log.warning("prep: %d shared-memory slots wanted, room for %d", want, fit)
+        log.warning("prep: %d shared-memory slots wanted, /dev/shm has room for %d: the jobs' "
+                    "read-ahead is cut to that (give the container more shared memory: docker "
+                    "--shm-size, a memory emptyDir)", want, fit)
         want = fit
     return want
 
