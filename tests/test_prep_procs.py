@@ -266,3 +266,23 @@ async def test_later_parts_wait_for_the_first_parts_window(pools: Callable[..., 
     got = await drain(feed)
     assert feed.parts == 3 and got[0][0] == 0 and got[0][1] >= 140.0, got[:2]
     assert {w[0] for w in got} == {0, 1, 2}
+
+
+def test_a_small_dev_shm_cuts_the_slots_and_a_tiny_one_means_threads(
+        monkeypatch: pytest.MonkeyPatch, vad: SileroVad) -> None:
+    """A container's /dev/shm is 64 MB unless given more: the GPU's 1024 slots (0.94 GB) do not
+    fit, so the read-ahead is cut to half of what is free; under 8 slots prep runs in threads."""
+    import app.jobs.prep as prep_mod
+    from app.config import Settings
+    from app.jobs.prep import make_prep
+
+    monkeypatch.setattr(prep_mod, "shm_room", lambda: None)
+    roomy = make_prep(Settings(), 1, batch=128, workers=2, vad=vad)
+    assert roomy.procs is not None and roomy.procs.arena.count == 1024
+    roomy.shutdown()
+    monkeypatch.setattr(prep_mod, "shm_room", lambda: 64 * 2**20)
+    small = make_prep(Settings(), 1, batch=128, workers=2, vad=vad)
+    assert small.procs is not None and small.procs.arena.count == 34
+    small.shutdown()
+    monkeypatch.setattr(prep_mod, "shm_room", lambda: 8 * 2**20)
+    assert make_prep(Settings(), 1, batch=128, workers=2, vad=vad).procs is None
