@@ -39,19 +39,11 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.common import (
-    ROOT,
-    SHORT_CLIP_S,
-    Clip,
-    cpu_count,
-    free_port,
-    load_corpus,
-    machine_info,
-    wait_up,
-)
 from loadtest.feed_audio import FORMATS, uploads
-from loadtest.probes import cpu_seconds
-from loadtest.scoring import latency_summary
+from loadtest.lib.common import ROOT, cpu_count, free_port, machine_info, wait_up
+from loadtest.lib.corpus import SHORT_CLIP_S, Clip, load_corpus
+from loadtest.lib.probes import cpu_seconds
+from loadtest.lib.stats import latency_summary
 
 TREE_SCRIPT = ROOT / "loadtest" / "feed_tree.py"
 TERMINAL = ("done", "failed", "cancelled")

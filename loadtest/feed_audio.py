@@ -18,7 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from loadtest.common import Clip, write_wav16
+from loadtest.lib.common import write_wav16
+from loadtest.lib.corpus import Clip
 
 FORMATS = {
     # name: (suffix, container, codec, rate, layout, sample format, bit rate)
