@@ -29,7 +29,8 @@ from app.audio import decode
 from app.audio.parts import plan, splittable
 from app.audio.vad import SileroVad
 from app.windows import SAMPLE_RATE
-from tests.conftest import READ_SPEECH, Clip, Server
+from loadtest.lib.corpus import READ_SPEECH
+from tests.conftest import Clip, Server
 from tests.test_crash import MISLABELLED
 from tests.test_parts import side_by_side
 from tests.test_prep import write_wav
