@@ -77,26 +77,30 @@ class Out:
 
 @dataclass(frozen=True)
 class Failure:
-    """An exception from a prep process: a service error is raised again as itself (its
-    status, type, message and details); anything else is an internal error."""
+    """An exception from a prep process: a service error is raised again as itself (its type,
+    message, details and the client's two hints, ``retry_after`` and ``no_retry``); anything
+    else is an internal error."""
 
     error_type: str
     message: str
     details: dict[str, Any] = field(default_factory=dict)
-    headers: dict[str, str] = field(default_factory=dict)
+    retry_after: int | None = None
+    no_retry: bool = False
 
     @classmethod
     def of(cls, exc: BaseException) -> Failure:
         if isinstance(exc, ServiceError):
-            return cls(exc.error_type, exc.message, dict(exc.details), dict(exc.headers))
+            return cls(exc.error_type, exc.message, dict(exc.details), exc.retry_after,
+                       exc.no_retry)
         return cls("internal_error", f"{type(exc).__name__}: {exc}")
 
     def exception(self) -> Exception:
         kind = _service_error(self.error_type)
         if kind is None:
             return RuntimeError(f"prep process: {self.message}")
-        exc = kind.__new__(kind)
-        ServiceError.__init__(exc, self.message, headers=dict(self.headers), **self.details)
+        exc = kind.__new__(kind)  # its own __init__ may take other arguments (InvalidChunking)
+        ServiceError.__init__(exc, self.message, retry_after=self.retry_after,
+                              no_retry=self.no_retry, **self.details)
         return exc
 
 
