@@ -1,11 +1,11 @@
 """The feed bench (issue 50): how fast the service's CPU side can feed an engine that answers at
 once, against prep alone on the same files, for this tree and (``--base``) the commit before.
 
-Per format (loadtest/feed_audio.py), in one run:
+Per format (loadtest/lib/feed_audio.py), in one run:
 
 * ``ceiling``: prep alone (decode, Silero, cut), one process per core, the uploads pulled from
   one queue, no service: windows per second. ``one_core``: one process, one upload.
-* per tree, the real service (``loadtest/feed_tree.py serve``: HTTP, store, prep, batcher; the
+* per tree, the real service (``loadtest/lib/feed_tree.py serve``: HTTP, store, prep, batcher; the
   engine a stand-in answering at once, batch cap ``--batch`` as the GPU's sizing sets it, the
   per-job memory cap off as on a GPU) and three steps:
   - ``many``: ``--uploads`` 20-minute uploads posted at once: windows per second reaching the
@@ -39,13 +39,13 @@ from typing import Any
 
 import aiohttp
 
-from loadtest.feed_audio import FORMATS, uploads
 from loadtest.lib.common import ROOT, cpu_count, free_port, machine_info, wait_up
 from loadtest.lib.corpus import SHORT_CLIP_S, Clip, load_corpus
+from loadtest.lib.feed_audio import FORMATS, uploads
 from loadtest.lib.probes import cpu_seconds
 from loadtest.lib.stats import latency_summary
 
-TREE_SCRIPT = ROOT / "loadtest" / "feed_tree.py"
+TREE_SCRIPT = ROOT / "loadtest" / "lib" / "feed_tree.py"
 TERMINAL = ("done", "failed", "cancelled")
 
 

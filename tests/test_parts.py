@@ -25,7 +25,7 @@ from app.audio.spans import CHUNK
 from app.audio.vad import SileroVad
 from app.jobs.order import UploadOrder
 from app.windows import SAMPLE_RATE, Window
-from loadtest.feed_audio import encode
+from loadtest.lib.feed_audio import encode
 from tests.conftest import Clip
 from tests.test_prep import write_wav
 
