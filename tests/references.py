@@ -12,8 +12,10 @@ four, and:
   must read the stored answers; any difference recomputes everything and stores it again;
 * any other run (a new peer version, model, clip or CPU) computes everything and stores it.
 
-The service's side is always computed in full; only the peer's side is kept. Delete the folder
-to recompute every reference.
+Each file keeps one entry per CPU model (``entries``), so hosts of two kinds (say the
+developers' machines and CI's) both find theirs; an entry for other versions, another model or
+other clips is dropped when its host stores again. The service's side is always computed in
+full; only the peer's side is kept. Delete the folder to recompute every reference.
 """
 
 from __future__ import annotations
@@ -65,8 +67,10 @@ def peer_reference(name: str, items: Sequence[tuple[str, Path]],
            "items": {i: digest(p) for i, p in items}}
     path = FOLDER / f"{name}.json"
     stored: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
-    if stored.get("key") == key:
-        answers = stored["answers"]
+    entries: list[dict[str, Any]] = stored.get("entries", [stored] if "key" in stored else [])
+    mine = next((e for e in entries if e["key"] == key), None)
+    if mine is not None:
+        answers = mine["answers"]
         picked = spread(len(items), spot)
         again = compute([items[k][1] for k in picked])
         if [answers[items[k][0]] for k in picked] == again:
@@ -74,8 +78,11 @@ def peer_reference(name: str, items: Sequence[tuple[str, Path]],
         log.warning("%s: the peer no longer reads %s as stored; recomputing every item", name,
                     [items[k][0] for k in picked])
     fresh = compute([p for _, p in items])
+    current = {k: v for k, v in key.items() if k != "cpu"}
+    kept = [e for e in entries if e["key"]["cpu"] != key["cpu"]
+            and {k: v for k, v in e["key"].items() if k != "cpu"} == current]
+    kept.append({"key": key, "answers": {i: a for (i, _), a in zip(items, fresh, strict=True)}})
     FOLDER.mkdir(exist_ok=True)
-    path.write_text(json.dumps({"key": key, "answers": {i: a for (i, _), a in
-                                                        zip(items, fresh, strict=True)}},
+    path.write_text(json.dumps({"entries": sorted(kept, key=lambda e: e["key"]["cpu"])},
                                indent=1, ensure_ascii=False) + "\n")
     return fresh

@@ -3,6 +3,7 @@ against the peer itself; a changed input or a peer that now reads otherwise reco
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -57,3 +58,28 @@ def test_a_new_version_a_changed_clip_or_a_changed_answer_recomputes_everything(
     assert calls == [10, 10, 10, 3, 10]
     assert refs.peer_reference("p", items, peer, {"peer": "2"}, model, spot=3) == got
     assert calls[-1] == 3
+
+
+def test_each_cpu_keeps_its_own_entry(setup, monkeypatch: pytest.MonkeyPatch) -> None:  # type: ignore[no-untyped-def]
+    items, model = setup
+    calls: list[tuple[str, int]] = []
+    cpu = {"now": "cpu-a"}
+    monkeypatch.setattr(refs, "cpu_model", lambda: cpu["now"])
+
+    def peer(paths: list[Path]) -> list[str]:
+        calls.append((cpu["now"], len(paths)))
+        return [f"{cpu['now']}-{p.stem}" for p in paths]
+
+    a = refs.peer_reference("p", items, peer, {"peer": "1"}, model, spot=3)
+    cpu["now"] = "cpu-b"
+    b = refs.peer_reference("p", items, peer, {"peer": "1"}, model, spot=3)
+    cpu["now"] = "cpu-a"  # the first host finds its own entry, kept beside the second's
+    assert refs.peer_reference("p", items, peer, {"peer": "1"}, model, spot=3) == a != b
+    assert calls == [("cpu-a", 10), ("cpu-b", 10), ("cpu-a", 3)]
+    refs.peer_reference("p", items, peer, {"peer": "2"}, model, spot=3)  # a new version
+    cpu["now"] = "cpu-b"  # drops the other host's entry for the old version
+    refs.peer_reference("p", items, peer, {"peer": "2"}, model, spot=3)
+    assert calls[-2:] == [("cpu-a", 10), ("cpu-b", 10)]
+    stored = json.loads((refs.FOLDER / "p.json").read_text())["entries"]
+    assert [(e["key"]["cpu"], e["key"]["versions"]) for e in stored] == [
+        ("cpu-a", {"peer": "2"}), ("cpu-b", {"peer": "2"})]
