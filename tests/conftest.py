@@ -53,6 +53,7 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 
 _cpu: dict[str, float] = {}
+_cpu_tests: dict[str, float] = {}
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -67,12 +68,40 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
 
     def used() -> float:
         a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
-        return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+        return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime + _live_children_cpu()
 
     before = used()
     yield
     name = item.module.__name__ if isinstance(item, pytest.Function) else "?"
-    _cpu[name] = _cpu.get(name, 0.0) + used() - before
+    spent = used() - before
+    _cpu[name] = _cpu.get(name, 0.0) + spent
+    _cpu_tests[item.nodeid] = spent  # (a module fixture's set-up counts in its first test)
+
+
+def _live_children_cpu() -> float:
+    """CPU seconds of this process's live descendants (and the children they waited for), from
+    /proc: a session-scoped server's work counts against the tests that asked for it, not
+    against whichever test's teardown happened to reap it (RUSAGE_CHILDREN counts a child only
+    once waited for). A child reaped during a test moves from this sum into RUSAGE_CHILDREN, so
+    the difference across a test stays its own."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    tick = os.sysconf("SC_CLK_TCK")
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = sum(int(x) for x in fields[11:15]) / tick  # utime..cstime
+    mine: set[int] = set()
+    frontier = {os.getpid()}
+    while frontier:
+        frontier = {pid for pid, ppid in parents.items() if ppid in frontier} - mine
+        mine |= frontier
+    return sum(times[p] for p in mine)
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
@@ -81,6 +110,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"{worker}.json").write_text(json.dumps(_cpu, indent=1))
+        (Path(out) / f"{worker}-tests.json").write_text(json.dumps(_cpu_tests, indent=1))
 
 
 def need(ok: object, reason: str) -> None:
