@@ -103,20 +103,46 @@ def test_a_front_end_that_disagrees_falls_back_to_the_whole_model(
         assert speech_spans(vad.probabilities(audio), audio.size) == faster_whisper_spans(audio)
 
 
-@pytest.mark.parametrize("env, enabled", [(None, "False"), ("true", "True")])
-def test_pyannote_telemetry_is_off_unless_the_operator_turns_it_on(env: str | None,
-                                                                   enabled: str) -> None:
-    """pyannote.audio (whisperx's VAD) ships telemetry on: loading a model sends a span to
-    otel.pyannote.ai. Importing the app switches it off first; an explicit setting is kept."""
+# Both cases in one child: importing pyannote.audio costs ~20 CPU-s (torch and lightning, whose
+# import is most of it), and a child per case paid it twice (43 of this module's 53 CPU-s).
+# The child imports those two libraries, neither of which reads PYANNOTE_METRICS_ENABLED, then
+# forks once per case: each fork sets (or leaves unset) the variable and only then imports the
+# app and whisperx's VAD, as a fresh process of its own would.
+TELEMETRY_CHILD = """
+import os, sys
+import lightning.pytorch, torch
+assert "PYANNOTE_METRICS_ENABLED" not in os.environ
+assert not [m for m in sys.modules if m.split(".")[0] in ("app", "pyannote", "whisperx")]
+for case in sys.argv[1:]:
+    pid = os.fork()
+    if pid == 0:
+        if case != "unset":
+            os.environ["PYANNOTE_METRICS_ENABLED"] = case
+        import app.main, whisperx.vads, pyannote.audio.telemetry.metrics as m
+        print(case, m.is_metrics_enabled(), flush=True)
+        os._exit(0)
+    assert os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) == 0, case
+"""
+
+
+@pytest.fixture(scope="module")
+def telemetry() -> dict[str | None, str]:
+    """``PYANNOTE_METRICS_ENABLED`` as pyannote reads it after the app's import, per setting
+    the operator gave (None: none)."""
     import os
     import subprocess
     import sys
 
     child = {k: v for k, v in os.environ.items() if k != "PYANNOTE_METRICS_ENABLED"}
-    if env is not None:
-        child["PYANNOTE_METRICS_ENABLED"] = env
-    code = ("import app.main, whisperx.vads, pyannote.audio.telemetry.metrics as m; "
-            "print(m.is_metrics_enabled())")
-    out = subprocess.run([sys.executable, "-c", code], env=child, capture_output=True, text=True,
-                         timeout=300, check=True).stdout.strip().splitlines()
-    assert out[-1] == enabled
+    out = subprocess.run([sys.executable, "-c", TELEMETRY_CHILD, "unset", "true"], env=child,
+                         capture_output=True, text=True, timeout=300, check=True).stdout
+    seen = dict(ln.split() for ln in out.splitlines() if ln.split()[:1] in (["unset"], ["true"]))
+    return {None: seen["unset"], "true": seen["true"]}
+
+
+@pytest.mark.parametrize("env, enabled", [(None, "False"), ("true", "True")])
+def test_pyannote_telemetry_is_off_unless_the_operator_turns_it_on(
+        telemetry: dict[str | None, str], env: str | None, enabled: str) -> None:
+    """pyannote.audio (whisperx's VAD) ships telemetry on: loading a model sends a span to
+    otel.pyannote.ai. Importing the app switches it off first; an explicit setting is kept."""
+    assert telemetry[env] == enabled
