@@ -261,10 +261,33 @@ async def test_pending_delivery_resumes_with_a_new_dispatcher(tmp_path: Path,
 
 
 # ---- end to end on the real model --------------------------------------------------------------
-def hook_server(make_server: type[Server], data_dir: Path) -> Server:
-    return make_server(data_dir, env={"BATCHSCRIBE_WEBHOOKS__SECRET": SECRET,
-                                      "BATCHSCRIBE_WEBHOOKS__BACKOFF_S": "0.2",
-                                      "BATCHSCRIBE_WEBHOOKS__ALLOWED_HOSTS": '["127.0.0.1"]'}).start()
+HOOK_ENV = {"BATCHSCRIBE_WEBHOOKS__SECRET": SECRET, "BATCHSCRIBE_WEBHOOKS__BACKOFF_S": "0.2",
+            "BATCHSCRIBE_WEBHOOKS__ALLOWED_HOSTS": '["127.0.0.1"]'}
+
+
+class HookService:
+    """The module's webhook-enabled service, started once (a start is ~9 CPU-s, and these
+    tests each started their own): jobs are told apart by id, and each test has its own
+    receiver. A test that kills it gets a successor on the same data dir from ``server``, as a
+    restarted pod would: the crash test's restart is that."""
+
+    def __init__(self, data_dir: Path) -> None:
+        self.data_dir = data_dir
+        self.current: Server | None = None
+
+    @property
+    def server(self) -> Server:
+        if self.current is None or self.current.proc is None or self.current.proc.poll() is not None:
+            self.current = Server(self.data_dir, env=HOOK_ENV).start()
+        return self.current
+
+
+@pytest.fixture(scope="module")
+def hooked(tmp_path_factory: pytest.TempPathFactory) -> Iterator[HookService]:
+    svc = HookService(tmp_path_factory.mktemp("hooks"))
+    yield svc
+    if svc.current is not None:
+        svc.current.kill()
 
 
 def wait_webhook(client: httpx.Client, job_id: str, status: str = "delivered") -> dict[str, Any]:
@@ -279,8 +302,8 @@ def wait_webhook(client: httpx.Client, job_id: str, status: str = "delivered") -
 
 @pytest.mark.model
 def test_every_finished_job_is_delivered_once_signed(
-        make_server: type[Server], tmp_path: Path, receiver: Receiver, clips: list[Clip]) -> None:
-    srv = hook_server(make_server, tmp_path / "srv")
+        hooked: HookService, receiver: Receiver, clips: list[Clip]) -> None:
+    srv = hooked.server
     picked = [c for c in clips if c.set in READ_SPEECH][:3]
     with srv.client() as client:
         ids = []
@@ -313,10 +336,9 @@ def test_every_finished_job_is_delivered_once_signed(
 
 @pytest.mark.model
 def test_pending_delivery_survives_a_crash(
-        make_server: type[Server], tmp_path: Path, receiver: Receiver, clips: list[Clip]) -> None:
+        hooked: HookService, receiver: Receiver, clips: list[Clip]) -> None:
     receiver.fail_all = True  # the receiver is down while the job finishes
-    data = tmp_path / "srv"
-    srv = hook_server(make_server, data)
+    srv = hooked.server
     clip = next(c for c in clips if c.set in READ_SPEECH)
     with srv.client() as client, clip.path.open("rb") as f:
         job_id = client.post("/transcribe", files={"file": f},
@@ -329,7 +351,7 @@ def test_pending_delivery_survives_a_crash(
     failed_attempts = len(receiver.for_job(job_id))
     receiver.fail_all = False
     receiver.fail_first = False
-    srv = hook_server(make_server, data)
+    srv = hooked.server  # a new process on the killed one's data dir
     with srv.client() as client:
         job = wait_webhook(client, job_id)
     hits = receiver.for_job(job_id)
