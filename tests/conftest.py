@@ -37,11 +37,12 @@ CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "cor
 # Test files by their time under three pytest workers (timeline at 5144075: 263 s for the first,
 # 62 s for the last), collected first, longest first: xdist's --dist
 # loadfile hands files out in collection order (scripts/test turns its reordering off), so the
-# run does not end waiting on a heavy file started late.
+# run does not end waiting on a heavy file started late. (test_vad moved down: its two
+# pyannote-importing children became one, ~50 -> ~33 CPU-s.)
 HEAVY_FIRST = ("test_ray_model", "test_dataset_model", "test_gpu_service", "test_unsure",
-               "test_crash", "test_postgres", "test_vad", "test_accuracy", "test_decode_cap",
-               "test_default_beam", "test_language", "test_openai_stream", "test_schemathesis",
-               "test_prometheus")
+               "test_crash", "test_postgres", "test_accuracy", "test_decode_cap",
+               "test_default_beam", "test_language", "test_vad", "test_openai_stream",
+               "test_schemathesis", "test_prometheus")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
