@@ -70,6 +70,10 @@ async def _spy(pid: int, out: list[dict[str, Any]], since: float, stop: asyncio.
                every_s: float) -> None:
     """``py-spy dump`` of the server every ``every_s`` until ``stop``."""
     spy = shutil.which("py-spy") or str(Path(sys.executable).parent / "py-spy")
+    if not Path(spy).is_file():  # not installed (pip install py-spy): the latencies still count
+        out.append({"t": time.monotonic(), "out_for_s": None, "dump": "py-spy is not installed"})
+        await stop.wait()
+        return
     while not stop.is_set():
         t = time.monotonic()
         proc = await asyncio.create_subprocess_exec(
