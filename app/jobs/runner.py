@@ -81,7 +81,8 @@ class JobRunner:
             abandon=self._abandon, requeued=self.wake, refresh=self.refresh_gauges),
             ttl_s=self.settings.storage.result_ttl_s)
         self._tasks = [asyncio.create_task(self._claim_loop(), name="claim"),
-                       asyncio.create_task(upkeep.loop(), name="maintenance")]
+                       asyncio.create_task(upkeep.beat(), name="heartbeat"),
+                       asyncio.create_task(upkeep.tidy(), name="maintenance")]
         self.wake()
 
     async def stop(self, grace_s: float) -> None:
@@ -336,15 +337,17 @@ class JobRunner:
             if out.diarization_s is not None:
                 self.metrics.diarization.observe(out.diarization_s)
                 self.metrics.diarized_audio.inc(out.seconds)
-            self._job_ended(job.id, "done", job)
+            # The upload goes before anyone hears of the end: a client that saw ``done`` finds
+            # no byte of its audio left (the S3 test on CI saw the DELETE land after the reply).
             await drop_upload(self.blobs, job.upload_path)
+            self._job_ended(job.id, "done", job)
 
     async def _fail(self, job: JobRow, error: dict[str, Any]) -> None:
         self._ending(job.id)
         if await self.store.finish(job.id, self.replica, "failed",
                                    self.settings.storage.result_ttl_s, error=error):
-            self._job_ended(job.id, "failed", job)
             await drop_upload(self.blobs, job.upload_path)
+            self._job_ended(job.id, "failed", job)
 
     def _job_ended(self, job_id: str, status: str, job: JobRow) -> None:
         self.events.ended(job_id, status, job.created_at)  # counted, followers, webhooks

@@ -1,10 +1,16 @@
-"""The job runner's housekeeping: one pass every ``lease_s / 6``, on the event loop.
+"""The job runner's housekeeping: two loops on the event loop, each every ``lease_s / 6``.
 
-Each pass extends this replica's leases (and records progress), abandons jobs whose lease was
-lost, requeues jobs whose lease expired (a replica died), fails ``audio_url`` jobs left
-``fetching`` by a process that died, purges results past their TTL, removes
-orphaned uploads every ``SPOOL_SWEEP_S``, and refreshes the job gauges. A failed pass is logged
-and retried at the next one: a database blip must not stop the leases from being renewed later.
+* :meth:`Upkeep.beat` extends this replica's leases (jobs and per-key holds) and records
+  progress, and abandons jobs whose lease was lost. It runs alone so that nothing slow beside it
+  delays a lease: on a loaded CI host one pass of everything (a spool sweep at start-up, the
+  gauges' queries) ran past a 3 s lease, and the holds of a replica still holding its uploads
+  expired under it (tests/test_replica_limits.py).
+* :meth:`Upkeep.tidy` requeues jobs whose lease expired (a replica died), fails ``audio_url``
+  jobs left ``fetching`` by a process that died, purges results past their TTL, removes
+  orphaned uploads every ``SPOOL_SWEEP_S``, and refreshes the job gauges.
+
+A failed pass is logged and retried at the next one: a database blip must not stop the leases
+from being renewed later.
 
 It talks to the job runner through :class:`Hooks` (four callbacks), not the runner itself.
 """
@@ -46,14 +52,21 @@ class Upkeep:
         self.lease_s = lease_s
         self.hooks = hooks
 
-    async def loop(self) -> None:
-        next_sweep = 0.0  # first pass: at start-up, to clean up after a crash
+    async def beat(self) -> None:
         while True:
             try:
                 progress = self.hooks.progress()
                 held = await self.store.heartbeat(self.replica, progress, self.lease_s)
                 if lost := set(progress) - held:
                     self.hooks.abandon(lost)
+            except Exception:
+                log.exception("heartbeat failed; retrying")
+            await asyncio.sleep(self.lease_s / 6)
+
+    async def tidy(self) -> None:
+        next_sweep = 0.0  # first pass: at start-up, to clean up after a crash
+        while True:
+            try:
                 if await self.store.requeue_stale(None):  # expired leases (a replica died)
                     self.hooks.requeued()
                 await self.purge_expired()
