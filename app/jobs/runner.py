@@ -337,17 +337,15 @@ class JobRunner:
             if out.diarization_s is not None:
                 self.metrics.diarization.observe(out.diarization_s)
                 self.metrics.diarized_audio.inc(out.seconds)
-            # The upload goes before anyone hears of the end: a client that saw ``done`` finds
-            # no byte of its audio left (the S3 test on CI saw the DELETE land after the reply).
-            await drop_upload(self.blobs, job.upload_path)
             self._job_ended(job.id, "done", job)
+            await drop_upload(self.blobs, job.upload_path)
 
     async def _fail(self, job: JobRow, error: dict[str, Any]) -> None:
         self._ending(job.id)
         if await self.store.finish(job.id, self.replica, "failed",
                                    self.settings.storage.result_ttl_s, error=error):
-            await drop_upload(self.blobs, job.upload_path)
             self._job_ended(job.id, "failed", job)
+            await drop_upload(self.blobs, job.upload_path)
 
     def _job_ended(self, job_id: str, status: str, job: JobRow) -> None:
         self.events.ended(job_id, status, job.created_at)  # counted, followers, webhooks
