@@ -297,7 +297,11 @@ def test_first_delta_comes_while_windows_are_still_decoding(
         deltas, done, first = stream(oa, long_wav, on_first=progress)
         assert first["windows_total"] >= 8, first
         assert first["windows_done"] < first["windows_total"], first
-        assert "".join(deltas) == done == _plain(oa, long_wav)
+        # The deltas add up to the final text. That the streamed text is the plain one is shown
+        # above on a multi-window clip; the done event is the job's stored text, which the plain
+        # answer is too (app/api/openai), so transcribing these 5.5 minutes a second time here
+        # (~20 CPU-s) showed nothing more.
+        assert "".join(deltas) == done
 
 
 @pytest.mark.model
