@@ -15,6 +15,11 @@ them; the service logs the split).
   split 5.41 %, because one unsplit window (librispeech-1272-128104-0004-8k) was read 9 words
   of 71 and then ended; on the other clips 6.01 % against 5.79 % (0.22 points, the split
   better), and the seams' neighbourhoods were identical but for one spelling.
+
+  Not shorter: on the first 8 minutes of the same upload (part_s 120, three seams) the seams'
+  neighbourhoods were identical, but the split read 5.38 % against the whole's 5.04 % (+0.35
+  points, 4 words of 1152, all in windows away from the seams): this bound is within the
+  grouping noise, and held here only because the whole upload lost one window's words.
 """
 
 from __future__ import annotations
@@ -83,11 +88,13 @@ def full_log(srv: Server) -> str:
 def test_a_split_upload_reads_as_the_unsplit_one(make_server: type[Server], tmp_path: Path,
                                                   upload: tuple[Path, Placed]) -> None:
     path, placed = upload
-    whole_srv = make_server(tmp_path / "whole", env={"BATCHSCRIBE_PREP__PART_S": "3600"}).start()
+    whole_srv = make_server(tmp_path / "whole", env={"BATCHSCRIBE_PREP__PART_S": "3600",
+                                                     "BATCHSCRIBE_MODEL__WARMUP": "false"}).start()
     whole = transcribe(whole_srv, path)
     whole_srv.terminate()
     split_srv = make_server(tmp_path / "split", env={"BATCHSCRIBE_PREP__WORKERS": "4",
-                                                     "BATCHSCRIBE_PREP__PART_S": "240"}).start()
+                                                     "BATCHSCRIBE_PREP__PART_S": "240",
+                                                     "BATCHSCRIBE_MODEL__WARMUP": "false"}).start()
     split = transcribe(split_srv, path)
     assert whole["status"] == split["status"] == "done"
     assert '"parts": 4' in full_log(split_srv) and '"parts"' not in full_log(whole_srv)
