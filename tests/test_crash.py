@@ -21,6 +21,7 @@ import jiwer
 import pytest
 
 from loadtest.lib.corpus import Clip
+from loadtest.lib.split import MISLABELLED
 from tests.conftest import Server
 from tests.helpers import wait_until
 
@@ -33,8 +34,6 @@ ENV = {"BATCHSCRIBE_SHUTDOWN_GRACE_S": str(GRACE_S), "BATCHSCRIBE_BATCHER__MAX_B
        **COLD}
 
 
-# Its audio is utterance -0001 ("NOR IS MISTER QUILTER'S MANNER..."), not the reference's -0000.
-MISLABELLED = {"librispeech-1272-128104-0000"}
 
 
 def speech_clips(clips: list[Clip], n: int) -> list[Clip]:

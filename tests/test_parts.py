@@ -20,12 +20,13 @@ import pytest
 
 from app.audio import decode
 from app.audio.media import AudioDecoder, open_audio
-from app.audio.parts import SEARCH_S, Part, PartStream, find_seam, plan, splittable
+from app.audio.parts import SEARCH_S, find_seam, plan, splittable
 from app.audio.spans import CHUNK
 from app.audio.vad import SileroVad
 from app.jobs.order import UploadOrder
-from app.windows import SAMPLE_RATE, Window
+from app.windows import SAMPLE_RATE
 from loadtest.lib.feed_audio import encode
+from loadtest.lib.split import side_by_side
 from tests.conftest import Clip
 from tests.test_prep import write_wav
 
@@ -45,29 +46,6 @@ def speech(clips: list[Clip]) -> np.ndarray:
 @pytest.fixture(scope="module")
 def upload(speech: np.ndarray, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_wav(tmp_path_factory.mktemp("parts") / "long.wav", speech)
-
-
-def side_by_side(path: Path, vad: SileroVad, parts: list[Part]) -> tuple[list[Window],
-                                                                          list[PartStream]]:
-    """Every part stepped in turn, each part's seam relayed to the part before it (as
-    app/audio/procs/feed.py does across processes)."""
-    streams = [PartStream(path, vad, 7200.0, 60.0, p) for p in parts]
-    out: list[list[Window]] = [[] for _ in parts]
-    while not all(s.done for s in streams):
-        for k, s in enumerate(streams):
-            if not s.done and not s.waiting:
-                out[k] += s.read_chunk().windows
-        for j in range(len(streams) - 1):
-            if streams[j].end_known:
-                continue
-            m = j + 1
-            while m < len(streams) and streams[m].seam == -1:
-                m += 1
-            if m == len(streams):
-                streams[j].stop_at(None)
-            elif streams[m].seam is not None:
-                streams[j].stop_at(streams[m].seam)
-    return [w for ws in out for w in ws], streams
 
 
 def test_parts_cover_the_upload_once_and_meet_at_silences(upload: Path, speech: np.ndarray,

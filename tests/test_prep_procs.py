@@ -32,10 +32,11 @@ from app.audio.procs import ProcFeed, ProcPool
 from app.audio.vad import SileroVad
 from app.errors import DecoderCrashed, ShuttingDown, UnsupportedMedia
 from app.windows import SAMPLE_RATE, as_float
+from loadtest.lib.split import side_by_side
 from tests.conftest import Clip
 from tests.fakes import BOUND
 from tests.prep_faults import crashing_main
-from tests.test_parts import side_by_side, speech, upload, vad  # noqa: F401  (fixtures)
+from tests.test_parts import speech, upload, vad  # noqa: F401  (fixtures)
 from tests.test_prep import write_wav
 
 Seen = list[tuple[int, float, float, int, float]]  # (part, start, end, channel, checksum)

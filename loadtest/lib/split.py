@@ -1,0 +1,114 @@
+"""A long upload read whole and read split across prep processes (issue 50 item 3): the upload,
+the seams as the service finds them, and the comparison of the two transcripts.
+
+Used by ``loadtest/parts.py`` (the issue's 20-minute check, a results file) and by
+``tests/test_parts_model.py`` (the same comparison on 8 minutes in every test run).
+
+The upload is the corpus's read speech in turn with 0.8 s of silence between clips, so every
+clip's place and reference are known. Two figures:
+
+* **At the seams**: the words within 4 s of each seam, in the whole and the split transcript:
+  insertions and deletions between them (a word may be spelled differently: its window differs).
+* **Overall**: both transcripts' WER against the references. Every window after a seam groups
+  speech differently (the cutter starts again there), and a grouping can make Whisper stop early
+  or read a word differently anywhere in the upload: on 20 minutes the whole read 7.51 % against
+  the split's 5.41 % (one unsplit window read 9 words of 71 and ended), on 8 minutes 5.04 %
+  against 5.38 % (4 words of 1152, all away from the seams). The difference is that noise, not
+  the seams; a part lost or read twice moves it by whole windows (~80 words of read speech each).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import jiwer
+import numpy as np
+
+from app.audio import decode
+from app.audio.parts import Part, PartStream, plan, splittable
+from app.audio.vad import SileroVad
+from app.client.scoring import normalise, wer_percent
+from app.windows import SAMPLE_RATE, Window
+from loadtest.lib.common import write_wav16
+from loadtest.lib.corpus import READ_SPEECH, Clip
+
+GAP_S = 0.8
+SEAM_S = 4.0  # words this close to a seam are compared one by one
+# Its audio is utterance -0001 ("NOR IS MISTER QUILTER'S MANNER..."), not the reference's -0000.
+MISLABELLED = {"librispeech-1272-128104-0000"}
+Placed = list[tuple[float, float, str]]  # (start, end, reference) of each clip in the upload
+
+
+def read_speech_upload(clips: Sequence[Clip], path: Path, minutes: float) -> Placed:
+    """The corpus's read speech in turn (0.8 s apart) to ``minutes``, as a 16 kHz WAV."""
+    read = [c for c in clips if c.set in (*READ_SPEECH, "librivox_long")
+            and c.id not in MISLABELLED]
+    gap = np.zeros(int(GAP_S * SAMPLE_RATE), np.float32)
+    parts: list[np.ndarray] = []
+    placed: Placed = []
+    at, i = 0, 0
+    while at < minutes * 60 * SAMPLE_RATE:
+        c = read[i % len(read)]
+        a = decode(c.path, 3600.0)
+        placed.append((at / SAMPLE_RATE, (at + a.size) / SAMPLE_RATE, c.reference))
+        parts += [a, gap]
+        at += a.size + gap.size
+        i += 1
+    write_wav16(path, np.concatenate(parts), SAMPLE_RATE)
+    return placed
+
+
+def side_by_side(path: Path, vad: SileroVad, parts: list[Part]) -> tuple[list[Window],
+                                                                          list[PartStream]]:
+    """Every part stepped in turn, each part's seam relayed to the part before it (as
+    app/audio/procs/feed.py does across processes)."""
+    streams = [PartStream(path, vad, 7200.0, 60.0, p) for p in parts]
+    out: list[list[Window]] = [[] for _ in parts]
+    while not all(s.done for s in streams):
+        for k, s in enumerate(streams):
+            if not s.done and not s.waiting:
+                out[k] += s.read_chunk().windows
+        for j in range(len(streams) - 1):
+            if streams[j].end_known:
+                continue
+            m = j + 1
+            while m < len(streams) and streams[m].seam == -1:
+                m += 1
+            if m == len(streams):
+                streams[j].stop_at(None)
+            elif streams[m].seam is not None:
+                streams[j].stop_at(streams[m].seam)
+    return [w for ws in out for w in ws], streams
+
+
+def seams(path: Path, parts: int) -> list[float]:
+    """Where the service splits ``path`` into ``parts`` (the same search, run here), seconds."""
+    duration = splittable(path)
+    assert duration is not None, f"{path} is not splittable"
+    _, streams = side_by_side(path, SileroVad(), plan(duration, parts))
+    return [s.seam / SAMPLE_RATE for s in streams[1:] if s.seam]
+
+
+def words_in(result: dict[str, Any], start: float, end: float) -> str:
+    return " ".join(w["word"] for w in result["result"]["words"]
+                    if start <= (w["start"] + w["end"]) / 2 < end)
+
+
+def compare(placed: Placed, whole: dict[str, Any], split: dict[str, Any],
+            at: Sequence[float]) -> dict[str, Any]:
+    """Both transcripts' WER (percent) and, per seam, the words near it and their differences."""
+    refs = " ".join(r for _, _, r in placed)
+    near = []
+    for seam in at:
+        a = normalise(words_in(whole, seam - SEAM_S, seam + SEAM_S))
+        b = normalise(words_in(split, seam - SEAM_S, seam + SEAM_S))
+        diff = jiwer.process_words(a or "-", b or "-")
+        near.append({"seam_s": round(seam, 2), "whole": a, "split": b,
+                     "insertions": diff.insertions, "deletions": diff.deletions,
+                     "substitutions": diff.substitutions})
+    return {"reference_words": len(refs.split()),
+            "wer_whole_percent": wer_percent([refs], [whole["result"]["text"]]),
+            "wer_split_percent": wer_percent([refs], [split["result"]["text"]]),
+            "seams": near}
