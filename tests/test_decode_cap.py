@@ -62,15 +62,28 @@ def windows_of(clip: Clip, prompt: Prompt | None = None) -> list[Window]:
     return windows
 
 
-@pytest.mark.model
-def test_a_looping_decode_stops_at_the_cap(looping: WhisperEngine, uncapped: WhisperEngine,
-                                           clips: list[Clip]) -> None:
+@pytest.fixture(scope="module")
+def loop_window(clips: list[Clip]) -> Window:
     (clip,) = [c for c in clips if c.id == LOOPING_CLIP]
     (window,) = windows_of(clip)
+    return window
+
+
+@pytest.fixture(scope="module")
+def capped_alone(looping: WhisperEngine, loop_window: Window) -> WindowResult:
+    """The looping window decoded alone under the default cap, no fallback (two tests read it:
+    its 127 tokens cost ~3.5 CPU-s)."""
+    return looping.transcribe_batch([loop_window], EN)[0]
+
+
+@pytest.mark.model
+def test_a_looping_decode_stops_at_the_cap(uncapped: WhisperEngine, loop_window: Window,
+                                           capped_alone: WindowResult) -> None:
+    window = loop_window
     loop = uncapped.transcribe_batch([window], EN)[0]
     assert loop.compression_ratio > 2.4 and len(loop.tokens) == 224  # the premise: it loops
 
-    capped = looping.transcribe_batch([window], EN)[0]
+    capped = capped_alone
     cap = math.ceil(Settings().model.max_tokens_per_s * window.duration) + TOKEN_SLACK
     assert len(capped.tokens) == cap  # cut at the window's own budget
     assert capped.compression_ratio > 2.4  # still flagged as the loop it is
@@ -110,18 +123,18 @@ def test_speech_that_fills_the_cap_is_decoded_again_in_full(uncapped: WhisperEng
 
 @pytest.mark.model
 def test_a_looping_window_reads_the_same_alone_and_beside_a_long_window(
-        looping: WhisperEngine, engine: WhisperEngine, clips: list[Clip]) -> None:
+        looping: WhisperEngine, engine: WhisperEngine, clips: list[Clip], loop_window: Window,
+        capped_alone: WindowResult) -> None:
     """The budget is the window's own: batched beside a 25-30 s window (whose budget is ~5x
     larger, so the call runs longer), the looping clip is cut where it is cut alone. With the
     loop fallback (the service's default), it is decoded again with a repetition penalty, and
     that too is the window's own: the same text alone and batched, and no longer a loop."""
-    (clip,) = [c for c in clips if c.id == LOOPING_CLIP]
-    (window,) = windows_of(clip)
+    window = loop_window
     read = sorted((c for c in clips if c.set in READ_SPEECH), key=lambda c: c.duration_s)
     longest = max((w for c in read[-3:] for w in windows_of(c)),  # (not the VAD of every clip)
                   key=lambda w: w.duration)
     assert longest.duration > 20
-    alone = looping.transcribe_batch([window], EN)[0]
+    alone = capped_alone
     beside = looping.transcribe_batch([longest, window], EN)[1]
     assert alone.compression_ratio > 2.4  # the premise: it loops
     assert beside.text == alone.text and beside.tokens == alone.tokens
