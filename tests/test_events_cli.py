@@ -143,7 +143,8 @@ def test_events_and_cli_respect_api_keys(make_server: type[Server], tmp_path: Pa
     keys = ("key-alice", "key-bob")
     digests = ",".join(hashlib.sha256(k.encode()).hexdigest() for k in keys)
     srv = make_server(tmp_path / "keys",
-                      env={"BATCHSCRIBE_SECURITY__API_KEY_SHA256": digests}).start()
+                      env={"BATCHSCRIBE_SECURITY__API_KEY_SHA256": digests,
+                           "BATCHSCRIBE_MODEL__WARMUP": "false"}).start()
     clip = next(c for c in clips if c.set == "librispeech")
     alice = srv.client(headers={"Authorization": f"Bearer {keys[0]}"})
     bob = srv.client(headers={"Authorization": f"Bearer {keys[1]}"})
