@@ -20,7 +20,6 @@ import argparse
 import json
 import logging
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -29,6 +28,7 @@ from typing import Any
 from app.client.checkpoint import State
 from app.client.manifest import ManifestError, load
 from app.client.progress import Progress, render, summary, write_summary
+from app.config import Settings
 from app.dataset.parts import PartStore, Scan, key
 from app.dataset.plan import Plan, nodes, plan
 from app.dataset.stage import ROW_AUDIO, ROW_JSON, ROW_STEM, Transcriber
@@ -80,8 +80,9 @@ def run_ray(args: argparse.Namespace) -> int:
     try:
         if todo:
             connect(args.ray)
-            layout = plan(nodes(), os.environ.get("BATCHSCRIBE_MODEL__DEVICE", "auto"),
-                          args.actors, args.batch_rows)
+            # The settings tree reads BATCHSCRIBE_MODEL__DEVICE (and refuses a typo) as the
+            # actors will, so the plan and the actors agree on the device.
+            layout = plan(nodes(), Settings().model.device, args.actors, args.batch_rows)
             print(f"ray: {layout.describe()}", file=sys.stderr)
             stems = manifest.subtitle_stems() if subtitles else {}
             items = [{ID: r.index, ROW_JSON: json.dumps(r.fields, ensure_ascii=False),
