@@ -14,6 +14,10 @@ over the runs (each run's WER times its reference words):
 * ``clips``: each clip uploaded whole: against ``turns_uploaded``, what the client's turns cost
   (a pause of ``silence_duration_ms`` ends a turn, and each piece is read without the rest);
 * ``streams``: each stream's audio (clips and pauses) as one upload.
+
+Turn latency, pooled the same way (``--latency``): one run at 16 streams times ~113 turns, so
+its p95 is the 6th slowest turn and moves by ~0.1-0.2 s from run to run on this host; runs on
+other stream orders pooled give every turn of them (``turn_latencies`` in each result row).
 """
 
 from __future__ import annotations
@@ -23,6 +27,8 @@ import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
+
+from loadtest.lib.stats import latency_summary
 
 COLUMNS = ("live", "turns_uploaded", "clips", "streams")
 
@@ -54,13 +60,32 @@ def pooled(runs: Iterable[dict[str, Any]]) -> dict[int, dict[str, Any]]:
             | {"words": a["words"], "runs": a["runs"]} for n, a in sorted(acc.items())}
 
 
+def pooled_latency(runs: Iterable[dict[str, Any]]) -> dict[int, dict[str, Any]]:
+    """Per N: p50 / p95 / max of every timed turn of the runs, and the turns and runs."""
+    acc: dict[int, list[list[float]]] = {}
+    for run in runs:
+        for r in run["results"]:
+            if "turn_latencies" in r:
+                acc.setdefault(r["streams"], []).append([t[1] for t in r["turn_latencies"]])
+    return {n: latency_summary([x for run in per_run for x in run]) | {"runs": len(per_run)}
+            for n, per_run in sorted(acc.items())}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("results", nargs="+", type=Path)
+    ap.add_argument("--latency", action="store_true", help="turn latency pooled, not WER")
     args = ap.parse_args()
     runs = [json.loads(p.read_text()) for p in args.results]
     for p, run in zip(args.results, runs, strict=True):
         print(f"{p} (commit {run['commit']}, clean tree {run['clean_tree']})")
+    if args.latency:
+        print("| N | runs | turns | p50 | p95 | max |")
+        print("| --- | --- | --- | --- | --- | --- |")
+        for n, a in pooled_latency(runs).items():
+            print(f"| {n} | {a['runs']} | {a['n']} | {a['p50_s']} s | {a['p95_s']} s | "
+                  f"{a['max_s']} s |")
+        return
     print("| N | runs | words | live | same turns uploaded | clips uploaded | streams uploaded |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for n, a in pooled(runs).items():

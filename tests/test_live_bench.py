@@ -193,6 +193,8 @@ def test_an_utterance_heard_in_part_is_timed_to_the_part_heard() -> None:
     assert out.heard_to == {0: 3.5, 1: 9.0}
     r = score([s], [out])
     assert r["turn_latency"]["n"] == 2 and r["turn_latency"]["max_s"] == 1.0  # 110 - 109
+    # each timed turn: when its audio ended (from the stream's start), its latency
+    assert r["turn_latencies"] == [[3.5, 0.7], [9.0, 1.0]]
     near = Outcome()
     finalise(near, s, [(0.7, 5.7, 1.0)], tolerance=0.5)
     assert near.final_at == {0: 1.0} and near.heard_to == {0: 6.0}
@@ -266,3 +268,17 @@ def test_runs_of_the_live_bench_pool_by_words() -> None:
     assert got[4] == {"live": 5.5, "turns_uploaded": 5.8, "clips": 5.0, "streams": 9.0,
                       "words": 400, "runs": 2}
     assert got[16]["live"] == 20.0 and got[16]["runs"] == 1
+
+
+def test_runs_of_the_live_bench_pool_their_turn_latencies() -> None:
+    """Per N, the percentiles of every timed turn of every run; rows without the per-turn list
+    (older files) are left out."""
+    from loadtest.live_report import pooled_latency
+
+    runs = [{"results": [{"streams": 16, "turn_latencies": [[1.0, 0.5], [2.0, 2.0]]}]},
+            {"results": [{"streams": 16, "turn_latencies": [[1.0, 1.0]]},
+                         {"streams": 4, "turn_latency": {"n": 3}}]}]
+    got = pooled_latency(runs)
+    assert list(got) == [16]
+    assert got[16]["n"] == 3 and got[16]["max_s"] == 2.0 and got[16]["p50_s"] == 1.0
+    assert got[16]["runs"] == 2

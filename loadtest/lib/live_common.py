@@ -223,10 +223,13 @@ def finalise(out: Outcome, stream: Stream, done: Sequence[Done], tolerance: floa
 def score(streams: Sequence[Stream], outcomes: Sequence[Outcome]) -> dict[str, Any]:
     """Turn latency, utterances never finalised, interim text on long turns, WER."""
     latencies, every, never, not_heard, long_turns, long_interim = [], [], 0, 0, 0, 0
+    timeline: list[tuple[float, float]] = []  # (its end, s after the first stream's start; latency)
+    base = min((o.t0 for o in outcomes), default=0.0)
     for s, o in zip(streams, outcomes, strict=True):
         for k, u in enumerate(s.utterances):
             at = o.final_at.get(k)
-            late = None if at is None else at - (o.t0 + sent_at(o.heard_to.get(k, u.end_s)))
+            end = o.t0 + sent_at(o.heard_to.get(k, u.end_s))
+            late = None if at is None else at - end
             if late is not None:
                 every.append(late)
             if k not in o.heard:  # no turn covered it: nothing to time (see the module doc)
@@ -235,6 +238,7 @@ def score(streams: Sequence[Stream], outcomes: Sequence[Outcome]) -> dict[str, A
                 never += 1
             else:
                 latencies.append(late)
+                timeline.append((round(end - base, 2), round(late, 3)))
             if u.end_s - u.start_s >= LONG_TURN_S:
                 long_turns += 1
                 long_interim += k in o.interim_before_end
@@ -244,6 +248,9 @@ def score(streams: Sequence[Stream], outcomes: Sequence[Outcome]) -> dict[str, A
     return {
         "utterances": sum(len(s.utterances) for s in streams),
         "turn_latency": latency_summary(latencies),
+        # Each timed turn, in order of its end: runs pool by these (loadtest/live_report.py),
+        # and the tail shows where in the run it fell (beside an upload: its progress).
+        "turn_latencies": [list(t) for t in sorted(timeline)],
         "never_finalised": never,
         "not_heard": not_heard,
         "turn_latency_with_not_heard": latency_summary(every),
