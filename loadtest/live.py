@@ -319,7 +319,10 @@ async def run(args: argparse.Namespace, work: Path) -> list[dict[str, Any]]:
         env = {"BATCHSCRIBE_MODEL__NAME": args.model,
                "BATCHSCRIBE_LIVE__MAX_SESSIONS_PER_KEY": str(max(16, most)),
                "BATCHSCRIBE_LIVE__MAX_SESSIONS": str(max(32, most))}
-        server = Server(work / "server", env=env).start()
+        if args.trace:  # every engine call and submit, stamped (loadtest/lib/batch_trace.py)
+            env["BATCHSCRIBE_BATCH_TRACE"] = str(args.trace.resolve())
+        entry = ["-m", "loadtest.lib.batch_trace" if args.trace else "app"]
+        server = Server(work / "server", env=env, argv=entry).start()
         base = server.url
     ws_url = base.replace("http", "ws", 1) + "/v1/realtime?intent=transcription"
     headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
@@ -379,6 +382,8 @@ def main() -> None:
                     "VAD (default: off)")
     ap.add_argument("--seed", type=int, default=34)
     ap.add_argument("--model", default="whisper-base")
+    ap.add_argument("--trace", type=Path, help="the started service writes its batcher trace here "
+                    "(one JSON line per engine call and submit; loadtest/lib/batch_trace.py)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory(prefix="live-") as tmp:
