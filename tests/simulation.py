@@ -66,6 +66,23 @@ class Costs:
         return self.scale * (cost + self.per_call_s)
 
 
+def offline_rate(costs: Costs, clips: Sequence[float], batch: int, workers: int) -> float:
+    """Audio seconds per second of ``clips`` run offline as the bench's engine limit runs them:
+    sorted into padded-length classes, ``batch`` windows a call (encoder and decoder in one),
+    the calls shared evenly by ``workers``."""
+    classes: dict[int, list[float]] = {}
+    for c in clips:
+        classes.setdefault(padded_length(int(c * SAMPLE_RATE), MARGIN), []).append(c)
+    total = 0.0
+    for padded, group in classes.items():
+        for k in range(0, len(group), batch):
+            b = group[k:k + batch]
+            enc = len(b) * padded / SAMPLE_RATE * costs.encode_per_padded_s
+            dec = sum(b) * costs.decode_per_speech_s * max(0.35, len(b) ** -0.47)
+            total += costs.scale * (enc + dec + costs.per_call_s)
+    return sum(clips) / (total / workers)
+
+
 def padded_s(item: Item) -> float:
     return (item.padded or padded_length(len(item.window.audio), MARGIN)) / SAMPLE_RATE
 
@@ -255,15 +272,17 @@ class ShortClient:
     last answer (HTTP, spool, prep: the part of a request outside the batcher)."""
 
     def __init__(self, sim: Sim, n: int, *, start: float = 0.0, overhead_s: float = 0.3,
-                 clips: Sequence[float] = SHORT_CLIPS) -> None:
+                 clips: Sequence[float] = SHORT_CLIPS, name: str = "short") -> None:
         self.sim, self.n, self.overhead_s, self.clips = sim, n, overhead_s, clips
+        self.name = name  # job ids are name-k: clients beside each other need names of their own
         self.sent = 0
         self.latency: list[tuple[float, float]] = []  # (submitted, latency incl. overhead)
         sim.at(start, self._send)
 
     def _send(self) -> None:
         clip = self.clips[self.sent % len(self.clips)]
-        self.sim.submit(f"short-{self.sent}", [clip], critical=True, answered=self._answered)
+        self.sim.submit(f"{self.name}-{self.sent}", [clip], critical=True,
+                        answered=self._answered)
         self.sent += 1
 
     def _answered(self, item: Item, t: float) -> None:
