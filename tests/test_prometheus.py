@@ -43,6 +43,7 @@ def _prometheus_installed() -> None:
 
 SCRAPE_S = 1  # scrape interval and timeout: a sample's value was read within 1 s of its timestamp
 MAX_ACTIVE = 2  # jobs the service works on at once: the others wait in the queue (the backlog)
+PROGRESS_WINDOWS = 4  # a job of this many windows or more logs its progress (default 10)
 
 
 class Prometheus:
@@ -112,14 +113,18 @@ def dashboard_expr(title: str, ref: str, range_s: int) -> str:
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory, clips: list[Clip]) -> Iterator[Run]:
     tmp = tmp_path_factory.mktemp("prom")
-    long = long_wav(clips, tmp / "long.wav", 330)  # >= 10 windows: logs its progress
+    # 2 minutes, 5 windows: logs its progress (progress_log_windows 4). It was 330 s, 12 windows
+    # for the default threshold of 10: 200 s more audio (~25 CPU-s) for the same log lines.
+    long = long_wav(clips, tmp / "long.wav", 120)
     by_len = sorted(clips, key=lambda c: (-c.duration_s, c.id))
     short = [c for c in by_len if c.set in READ_SPEECH and c.duration_s < 20][:4]
     # The long job, one 60 s recording (a job of several windows, too few to log its progress)
     # and four short reads. (Three long recordings were sent: 106 s more audio, the same checks.)
     files = [long, by_len[0].path, *(c.path for c in short)]
     expected = [vad_audio_seconds(p) for p in files]
-    server = Server(tmp / "server", env={"BATCHSCRIBE_STORAGE__MAX_ACTIVE_JOBS": str(MAX_ACTIVE)})
+    assert expected[0][0] >= PROGRESS_WINDOWS > max(w for w, _ in expected[1:]), expected
+    server = Server(tmp / "server", env={"BATCHSCRIBE_STORAGE__MAX_ACTIVE_JOBS": str(MAX_ACTIVE),
+                                         "BATCHSCRIBE_PROGRESS_LOG_WINDOWS": str(PROGRESS_WINDOWS)})
     server.start()
     prom = Prometheus(tmp, f"127.0.0.1:{server.port}")
     t_start = time.time()

@@ -75,6 +75,11 @@ class Settings(BaseSettings):
     log_level: Literal["DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"] = Field(
         "INFO", description="The service's log level (any case)."
     )
+    progress_log_windows: int = Field(
+        10, ge=1, le=1_000_000,
+        description="A job of at least this many windows logs its progress: about ten "
+        "'job progress' lines (every window's, below 20 windows). Shorter jobs stay quiet.",
+    )
     host: str = Field("127.0.0.1", description="Bind address.")
     port: int = Field(8000, ge=1, le=65535, description="Bind port.")
     default_beam_size: int = Field(

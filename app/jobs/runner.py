@@ -297,12 +297,13 @@ class JobRunner:
         self.wake()  # room to claim another
 
     def log_progress(self, job: JobRow, a: Active) -> None:
-        """About ten lines per long job. Windows finish while its audio is still being cut,
-        so until then the step comes from the header's estimate and `windows_total` is null
-        (not yet known) beside `windows_expected`."""
+        """About ten lines per long job (``progress_log_windows`` windows or more). Windows
+        finish while its audio is still being cut, so until then the step comes from the
+        header's estimate and `windows_total` is null (not yet known) beside `windows_expected`."""
         total = a.windows_total or max(a.windows_cut, a.windows_expected)
         step = max(1, total // 10)
-        if total >= 10 and (a.windows_done % step == 0 or a.windows_done == a.windows_total):
+        at_step = a.windows_done % step == 0 or a.windows_done == a.windows_total
+        if total >= self.settings.progress_log_windows and at_step:
             elapsed = max(1e-6, time.time() - (job.started_at or job.created_at))
             log.info("job progress", extra={"job_id": job.id, "windows_done": a.windows_done,
                                             "windows_total": a.windows_total,
