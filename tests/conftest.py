@@ -142,6 +142,12 @@ def clips() -> list[Clip]:
     return corpus_clips()
 
 
+# A real-model service without its warm-up (~1.3 of its ~6 CPU-s to ready, measured): for tests
+# that make no claim about the warm-up or the first request's latency. The shared ``server``
+# stays warm (the production default: the warm-up path runs on the real model there).
+COLD = {"BATCHSCRIBE_MODEL__WARMUP": "false"}
+
+
 class PortTaken(RuntimeError):
     """Another process bound the server's port first."""
 

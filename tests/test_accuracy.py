@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.lib.corpus import READ_SPEECH, Clip
-from tests.conftest import Server
+from tests.conftest import COLD, Server
 from tests.references import peer_reference
 from tests.wer import wer
 
@@ -94,7 +94,7 @@ def test_service_with_whisperx_vad_matches_whisperx(
         make_server: type[Server], tmp_path: Path, read_clips: list[Clip],
         whisperx_hyps: list[str]) -> None:
     """Same VAD as whisperx (pyannote): the batched service must land within 0.5 WER point."""
-    srv = make_server(tmp_path / "pyannote", env={"BATCHSCRIBE_MODEL__VAD": "pyannote"}).start()
+    srv = make_server(tmp_path / "pyannote", env={**COLD, "BATCHSCRIBE_MODEL__VAD": "pyannote"}).start()
     svc = service_all_at_once(srv, read_clips)
     wer_service, wer_whisperx = record("pyannote", read_clips, svc, whisperx_hyps)
     assert abs(wer_service - wer_whisperx) <= 0.005, (wer_service, wer_whisperx)

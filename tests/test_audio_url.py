@@ -17,7 +17,7 @@ from typing import Any
 import pytest
 
 from loadtest.lib.corpus import Clip
-from tests.conftest import Server
+from tests.conftest import COLD, Server
 from tests.helpers import sha
 from tests.test_hostile import post_as
 from tests.test_security import KEY_A
@@ -115,7 +115,7 @@ def short_clip(clips: list[Clip]) -> Clip:
 
 @pytest.fixture(scope="module")
 def fetching(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("fetching"), env={
+    srv = Server(tmp_path_factory.mktemp("fetching"), env={**COLD,
         "BATCHSCRIBE_SECURITY__API_KEY_SHA256": sha(KEY_A),
         "BATCHSCRIBE_OUTBOUND__ALLOWED_HOSTS": f'["{FILE_HOST}"]',
         "BATCHSCRIBE_LIMITS__MAX_UPLOAD_BYTES": str(MAX_UPLOAD),

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter
 from app.jobs.speed import DEFAULT_SPEED, Speed
 from loadtest.lib.common import proc_status_kb
 from loadtest.lib.corpus import Clip
-from tests.conftest import Server
+from tests.conftest import COLD, Server
 from tests.helpers import wait_until
 from tests.test_bad_input import HealthWatch
 from tests.test_crash import speech_clips, submit
@@ -70,7 +70,7 @@ class BacklogWatch(threading.Thread):
 def bounded(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     """One small-backlog service for the module (it was one per test: the burst test leaves
     nothing queued, every accepted job is awaited)."""
-    srv = Server(tmp_path_factory.mktemp("bounded"), env={
+    srv = Server(tmp_path_factory.mktemp("bounded"), env={**COLD,
         "BATCHSCRIBE_LIMITS__MAX_BACKLOG_S": str(BACKLOG_S),
         "BATCHSCRIBE_LIMITS__SYNC_TIMEOUT_S": "0.5",
     }).start()

@@ -21,7 +21,7 @@ from openai import APIStatusError
 from loadtest.lib.common import proc_status_kb
 from loadtest.lib.corpus import Clip
 from loadtest.lib.hostile_inputs import encode, encode_chunks, load, wav
-from tests.conftest import Server, corpus_clips
+from tests.conftest import COLD, Server, corpus_clips
 from tests.helpers import openai_client
 
 pytestmark = pytest.mark.model
@@ -110,7 +110,7 @@ def build_cases(clip: Clip) -> dict[str, tuple[str, bytes, int | str, Check]]:
 # ---- fixtures --------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def limited(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("bad-input"), env={
+    srv = Server(tmp_path_factory.mktemp("bad-input"), env={**COLD,
         "BATCHSCRIBE_LIMITS__MAX_UPLOAD_BYTES": str(MAX_UPLOAD),
         "BATCHSCRIBE_LIMITS__MAX_AUDIO_S": str(MAX_AUDIO_S),
     }).start()

@@ -20,7 +20,7 @@ from app.config import StorageSettings
 from app.jobs.blobs import LocalBlobs, S3Blobs, make_blobs
 from app.net.s3 import s3_client
 from loadtest.lib.corpus import Clip
-from tests.conftest import Server, free_port
+from tests.conftest import COLD, Server, free_port
 from tests.wer import wer
 
 
@@ -141,7 +141,7 @@ def on_s3(tmp_path_factory: pytest.TempPathFactory, s3_endpoint: str) -> Iterato
     for name in ("blobs", "media"):
         bucket(s3_endpoint, name)
     srv = Server(tmp_path_factory.mktemp("on-s3"), env={
-        **AWS_ENV, "BATCHSCRIBE_STORAGE__BLOB_URL": "s3://blobs/up",
+        **AWS_ENV, **COLD, "BATCHSCRIBE_STORAGE__BLOB_URL": "s3://blobs/up",
         "BATCHSCRIBE_STORAGE__S3_ENDPOINT_URL": s3_endpoint,
         "BATCHSCRIBE_OUTBOUND__S3_BUCKETS": '["media/clips"]',
     }).start()

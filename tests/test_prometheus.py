@@ -22,7 +22,7 @@ import pytest
 import yaml
 
 from loadtest.lib.corpus import READ_SPEECH, Clip
-from tests.conftest import Server, free_port, need
+from tests.conftest import COLD, Server, free_port, need
 from tests.test_metrics import (
     ALERTS,
     DASHBOARD,
@@ -123,7 +123,7 @@ def run(tmp_path_factory: pytest.TempPathFactory, clips: list[Clip]) -> Iterator
     files = [long, by_len[0].path, *(c.path for c in short)]
     expected = [vad_audio_seconds(p) for p in files]
     assert expected[0][0] >= PROGRESS_WINDOWS > max(w for w, _ in expected[1:]), expected
-    server = Server(tmp / "server", env={"BATCHSCRIBE_STORAGE__MAX_ACTIVE_JOBS": str(MAX_ACTIVE),
+    server = Server(tmp / "server", env={**COLD, "BATCHSCRIBE_STORAGE__MAX_ACTIVE_JOBS": str(MAX_ACTIVE),
                                          "BATCHSCRIBE_PROGRESS_LOG_WINDOWS": str(PROGRESS_WINDOWS)})
     server.start()
     prom = Prometheus(tmp, f"127.0.0.1:{server.port}")

@@ -30,7 +30,7 @@ from pathlib import Path
 import pytest
 
 from loadtest.lib.corpus import Clip
-from tests.conftest import Server
+from tests.conftest import COLD, Server
 
 pytestmark = pytest.mark.model
 
@@ -40,7 +40,7 @@ MAX_EXAMPLES = os.environ.get("BATCHSCRIBE_TEST_SCHEMATHESIS_EXAMPLES", "30")
 
 @pytest.fixture(scope="module")
 def fuzzed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = Server(tmp_path_factory.mktemp("schemathesis"), env={
+    srv = Server(tmp_path_factory.mktemp("schemathesis"), env={**COLD,
         # Random uploads never decode to much; small limits keep any accident cheap.
         "BATCHSCRIBE_LIMITS__MAX_UPLOAD_BYTES": str(1024 * 1024),
         "BATCHSCRIBE_LIMITS__SYNC_TIMEOUT_S": "5",

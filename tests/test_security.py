@@ -35,7 +35,7 @@ from app.api.middleware.keys import (
 )
 from app.config import SecuritySettings, Settings
 from loadtest.lib.corpus import Clip
-from tests.conftest import ROOT, Server, free_port
+from tests.conftest import COLD, ROOT, Server, free_port
 from tests.helpers import bearer, openai_client, sha, wait_until
 from tests.test_asr import bazarr, pcm
 from tests.wer import wer
@@ -97,7 +97,7 @@ def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     hour_ago = time.time() - 3600
     os.utime(data / "uploads" / ORPHAN_OLD, (hour_ago, hour_ago))
     srv = Server(data, env={
-        "BATCHSCRIBE_SECURITY__API_KEY_SHA256": f"{sha(KEY_A)},{sha(KEY_B)}",
+        **COLD, "BATCHSCRIBE_SECURITY__API_KEY_SHA256": f"{sha(KEY_A)},{sha(KEY_B)}",
     }).start()  # /readyz is open by default, so the fixture's readiness poll works
     yield srv
     srv.terminate()

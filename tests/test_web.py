@@ -24,7 +24,7 @@ import pytest
 import srt
 
 from loadtest.lib.corpus import READ_SPEECH, Clip
-from tests.conftest import Server
+from tests.conftest import COLD, Server
 from tests.wer import wer
 
 pytestmark = pytest.mark.model
@@ -67,7 +67,7 @@ def browser(pw: Any) -> Iterator[Any]:
 def keyed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     digest = hashlib.sha256(KEY.encode()).hexdigest()
     srv = Server(tmp_path_factory.mktemp("web"),
-                 env={"BATCHSCRIBE_SECURITY__API_KEY_SHA256": digest}).start()
+                 env={**COLD, "BATCHSCRIBE_SECURITY__API_KEY_SHA256": digest}).start()
     yield srv
     srv.terminate()
 

@@ -26,7 +26,7 @@ from app.jobs.store import JobStore
 from app.jobs.webhooks import WebhookDispatcher, check_callback_url, sign, verify
 from app.net.outbound import OutboundGuard
 from loadtest.lib.corpus import READ_SPEECH, Clip
-from tests.conftest import Server
+from tests.conftest import COLD, Server
 from tests.test_outbound import PUBLIC, stub
 
 SECRET = "test-webhook-secret"
@@ -261,7 +261,7 @@ async def test_pending_delivery_resumes_with_a_new_dispatcher(tmp_path: Path,
 
 
 # ---- end to end on the real model --------------------------------------------------------------
-HOOK_ENV = {"BATCHSCRIBE_WEBHOOKS__SECRET": SECRET, "BATCHSCRIBE_WEBHOOKS__BACKOFF_S": "0.2",
+HOOK_ENV = {**COLD, "BATCHSCRIBE_WEBHOOKS__SECRET": SECRET, "BATCHSCRIBE_WEBHOOKS__BACKOFF_S": "0.2",
             "BATCHSCRIBE_WEBHOOKS__ALLOWED_HOSTS": '["127.0.0.1"]'}
 
 
