@@ -4,10 +4,12 @@ faster-whisper's own ``get_speech_timestamps`` finds, on the corpus's real audio
 from __future__ import annotations
 
 import itertools
+from pathlib import Path
 
 import numpy as np
 import pytest
 
+import app.audio.vad as vad_module
 from app.audio import decode
 from app.audio.spans import speech_spans
 from app.audio.vad import BLOCK, CHUNK, SileroVad
@@ -101,6 +103,34 @@ def test_a_front_end_that_disagrees_falls_back_to_the_whole_model(
     assert not vad.fft
     for audio in corpus_audio[:10]:
         assert speech_spans(vad.probabilities(audio), audio.size) == faster_whisper_spans(audio)
+
+
+def test_the_front_end_cut_is_kept_and_read_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                corpus_audio: list[np.ndarray]) -> None:
+    """The cut (onnx, ~0.7 CPU-s a process) is made once and kept in the model folder: the next
+    VAD reads it without onnx and gives the same probabilities; a kept file that does not load
+    is cut again; a folder that cannot be written costs only the cut."""
+    import onnx.utils
+
+    monkeypatch.setattr(vad_module, "_tail_dir", lambda: tmp_path)
+    first = SileroVad()
+    [kept] = tmp_path.glob("silero-fft-tail-*.onnx")
+    assert first.fft and kept.read_bytes() == first.model().graph
+
+    class NoCut:
+        def __init__(self, *a: object) -> None:
+            raise AssertionError("cut again although kept")
+
+    with monkeypatch.context() as m:
+        m.setattr(onnx.utils, "Extractor", NoCut)
+        again = SileroVad()
+    audio = corpus_audio[0]
+    assert again.fft and np.array_equal(again.probabilities(audio), first.probabilities(audio))
+
+    kept.write_bytes(b"not a graph")
+    assert SileroVad().fft and kept.read_bytes() == first.model().graph  # cut and kept again
+    monkeypatch.setattr(vad_module, "_tail_dir", lambda: tmp_path / "missing" / "folder")
+    assert SileroVad().fft
 
 
 # Both cases in one child: importing pyannote.audio costs ~20 CPU-s (torch and lightning, whose

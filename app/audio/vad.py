@@ -5,15 +5,17 @@ session options and the same rules as faster-whisper's ``get_speech_timestamps``
 change: the model's first layer, an STFT written as a 1-D convolution with a 258 x 256 basis, is
 done by numpy's FFT instead. On CPU that convolution is about a third of the model's time: the
 corpus's VAD takes 0.43 s of CPU instead of 0.61 s (-29%, one thread). The graph is cut after
-the STFT magnitude (``onnx.utils.Extractor``), and onnxruntime runs the rest. Speech
-probabilities differ from the whole graph's by < 1e-5, and a start-up check falls back to the
-whole graph if they ever do not (a different model file).
+the STFT magnitude (``onnx.utils.Extractor``, once: the cut is kept in the model folder), and
+onnxruntime runs the rest. Speech probabilities differ from the whole graph's by < 1e-5, and a
+start-up check falls back to the whole graph if they ever do not (a different model file).
 
 VAD runs in the prep pool, never on the event loop: ~0.7 ms of CPU per audio second.
 """
 
 from __future__ import annotations
 
+import contextlib
+import hashlib
 import logging
 import os
 from dataclasses import dataclass
@@ -90,6 +92,52 @@ def _session(model: bytes) -> Any:
                                         sess_options=opts)
 
 
+TAIL_CACHE = "silero-fft-tail-{digest}.onnx"  # in the model cache folder (model.cache_dir)
+
+
+def _tail_dir() -> Path | None:
+    try:
+        from app.config import Settings
+
+        return Settings().model.cache_dir
+    except Exception:  # settings that do not load: the service says why; no cache here
+        return None
+
+
+def _fft_tail(path: Path) -> tuple[bytes, Any]:
+    """The graph cut after the STFT magnitude, and its session. The cut imports onnx (~0.7 s of
+    CPU: a sixth of a service's start on CPU, paid again by every process that builds the VAD),
+    so it is kept in the model cache folder, named by the model file's digest, and read from
+    there next time; a folder that cannot be written only costs the cut again, and a kept file
+    that does not load is cut afresh. The start-up check runs on it either way."""
+    source = path.read_bytes()
+    folder = _tail_dir()
+    kept = folder / TAIL_CACHE.format(digest=hashlib.sha256(source).hexdigest()[:16]) \
+        if folder else None
+    if kept is not None and kept.is_file():
+        graph = kept.read_bytes()
+        try:
+            return graph, _session(graph)
+        except Exception as exc:
+            log.warning("Silero VAD: kept front-end cut %s does not load (%s); cutting again",
+                        kept, exc)
+    import onnx
+    import onnx.utils
+
+    tail = onnx.utils.Extractor(onnx.load_from_string(source)).extract_model(
+        [MAGNITUDE, "h", "c"], ["speech_probs", "hn", "cn"])
+    graph = tail.SerializeToString()
+    if kept is not None:
+        tmp = kept.with_name(f"{kept.name}.{os.getpid()}.tmp")
+        try:
+            tmp.write_bytes(graph)
+            os.replace(tmp, kept)  # whole or not at all, whoever else writes it meanwhile
+        except OSError:  # e.g. a read-only model volume
+            with contextlib.suppress(OSError):
+                tmp.unlink()
+    return graph, _session(graph)
+
+
 @dataclass(frozen=True)
 class SileroModel:
     """What a prep process needs to run the same VAD (app/audio/procs): the padding and the
@@ -113,18 +161,13 @@ class SileroVad:
             self._tail: Any = _session(model.graph) if model.fft else None
             self._whole: Any = None if model.fft else _Whole(_session(model.graph))
             return
-        import onnx
-        import onnx.utils
         from faster_whisper.utils import get_assets_path
         from faster_whisper.vad import SileroVADModel
 
         path = str(Path(get_assets_path()) / "silero_vad_v6.onnx")
         # faster-whisper's own model: the reference of the start-up check, and the fallback.
         self._whole = SileroVADModel(path)
-        tail = onnx.utils.Extractor(onnx.load(path)).extract_model(
-            [MAGNITUDE, "h", "c"], ["speech_probs", "hn", "cn"])
-        self._graph = tail.SerializeToString()
-        self._tail = _session(self._graph)
+        self._graph, self._tail = _fft_tail(Path(path))
         probe = np.random.default_rng(0).standard_normal(CHUNK * 64).astype(np.float32)
         probe *= np.linspace(0.0, 0.5, probe.size, dtype=np.float32)
         diff = float(np.abs(self.probabilities(probe) - self._whole(_padded(probe))).max())
