@@ -38,7 +38,7 @@ from app.dataset.parts import PartStore
 from app.dataset.plan import plan
 from app.dataset.stage import Transcriber
 from loadtest.lib.corpus import READ_SPEECH, Clip
-from tests.conftest import ROOT, Server
+from tests.conftest import COLD, ROOT, Server
 from tests.test_speakers import CORPUS as DIARIZATION
 from tests.test_speakers import SAMPLE, corpus_item
 from tests.wer import wer
@@ -51,18 +51,22 @@ def ray_local() -> Iterator[Any]:
     """A local Ray whose workers run at the test process's priority. Ray starts its worker
     processes at nice 15 (its ``worker_niceness``), so on this 2-core host, beside two other
     pytest workers at nice 0, the stage's actor got a sliver of a core: the CLI kill/resume
-    test took 22 s alone and 244-359 s in the suite."""
+    test took 22 s alone and 244-359 s in the suite. Its workers also inherit
+    ``BATCHSCRIBE_MODEL__WARMUP=false`` from the raylet (set only while this init starts it):
+    no claim here is about the warm-up, which cost each of the module's seven actors ~1.3 CPU-s."""
     import ray
 
-    old = os.environ.get("RAY_worker_niceness")  # noqa: SIM112 (Ray reads this exact name)
-    os.environ["RAY_worker_niceness"] = "0"  # noqa: SIM112  read by the raylet this init starts
+    env = {"RAY_worker_niceness": "0", **COLD}  # read by the raylet this init starts
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
     try:
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     finally:
-        if old is None:
-            os.environ.pop("RAY_worker_niceness", None)
-        else:
-            os.environ["RAY_worker_niceness"] = old  # noqa: SIM112
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray
     ray.shutdown()
