@@ -9,7 +9,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import app.audio.vad as vad_module
 from app.audio import decode
 from app.audio.spans import speech_spans
 from app.audio.vad import BLOCK, CHUNK, SileroVad
@@ -112,8 +111,7 @@ def test_the_front_end_cut_is_kept_and_read_back(tmp_path: Path, monkeypatch: py
     is cut again; a folder that cannot be written costs only the cut."""
     import onnx.utils
 
-    monkeypatch.setattr(vad_module, "_tail_dir", lambda: tmp_path)
-    first = SileroVad()
+    first = SileroVad(cache_dir=tmp_path)
     [kept] = tmp_path.glob("silero-fft-tail-*.onnx")
     assert first.fft and kept.read_bytes() == first.model().graph
 
@@ -123,14 +121,13 @@ def test_the_front_end_cut_is_kept_and_read_back(tmp_path: Path, monkeypatch: py
 
     with monkeypatch.context() as m:
         m.setattr(onnx.utils, "Extractor", NoCut)
-        again = SileroVad()
+        again = SileroVad(cache_dir=tmp_path)
     audio = corpus_audio[0]
     assert again.fft and np.array_equal(again.probabilities(audio), first.probabilities(audio))
 
     kept.write_bytes(b"not a graph")
-    assert SileroVad().fft and kept.read_bytes() == first.model().graph  # cut and kept again
-    monkeypatch.setattr(vad_module, "_tail_dir", lambda: tmp_path / "missing" / "folder")
-    assert SileroVad().fft
+    assert SileroVad(cache_dir=tmp_path).fft and kept.read_bytes() == first.model().graph  # again
+    assert SileroVad(cache_dir=tmp_path / "missing" / "folder").fft
 
 
 # Both cases in one child: importing pyannote.audio costs ~20 CPU-s (torch and lightning, whose

@@ -95,23 +95,15 @@ def _session(model: bytes) -> Any:
 TAIL_CACHE = "silero-fft-tail-{digest}.onnx"  # in the model cache folder (model.cache_dir)
 
 
-def _tail_dir() -> Path | None:
-    try:
-        from app.config import Settings
-
-        return Settings().model.cache_dir
-    except Exception:  # settings that do not load: the service says why; no cache here
-        return None
-
-
-def _fft_tail(path: Path) -> tuple[bytes, Any]:
+def _fft_tail(path: Path, folder: Path | None) -> tuple[bytes, Any]:
     """The graph cut after the STFT magnitude, and its session. The cut imports onnx (~0.7 s of
     CPU: a sixth of a service's start on CPU, paid again by every process that builds the VAD),
     so it is kept in the model cache folder, named by the model file's digest, and read from
     there next time; a folder that cannot be written only costs the cut again, and a kept file
-    that does not load is cut afresh. The start-up check runs on it either way."""
+    that does not load is cut afresh. The start-up check runs on it either way. ``folder``:
+    the model cache folder (``model.cache_dir``; the pipeline builder passes it), None: cut
+    every time."""
     source = path.read_bytes()
-    folder = _tail_dir()
     kept = folder / TAIL_CACHE.format(digest=hashlib.sha256(source).hexdigest()[:16]) \
         if folder else None
     if kept is not None and kept.is_file():
@@ -152,7 +144,8 @@ class SileroModel:
 class SileroVad:
     """faster-whisper's Silero VAD model and thresholds; the STFT by FFT (see the module doc)."""
 
-    def __init__(self, pad_s: float = SPEECH_PAD_S, model: SileroModel | None = None) -> None:
+    def __init__(self, pad_s: float = SPEECH_PAD_S, model: SileroModel | None = None,
+                 cache_dir: Path | None = None) -> None:
         self.pad_s = pad_s
         self._window = (0.5 - 0.5 * np.cos(2 * np.pi * np.arange(N_FFT) / N_FFT)).astype(np.float32)
         if model is not None:  # checked where it was built
@@ -167,7 +160,7 @@ class SileroVad:
         path = str(Path(get_assets_path()) / "silero_vad_v6.onnx")
         # faster-whisper's own model: the reference of the start-up check, and the fallback.
         self._whole = SileroVADModel(path)
-        self._graph, self._tail = _fft_tail(Path(path))
+        self._graph, self._tail = _fft_tail(Path(path), cache_dir)
         probe = np.random.default_rng(0).standard_normal(CHUNK * 64).astype(np.float32)
         probe *= np.linspace(0.0, 0.5, probe.size, dtype=np.float32)
         diff = float(np.abs(self.probabilities(probe) - self._whole(_padded(probe))).max())
@@ -380,6 +373,8 @@ class PyannoteStream:
         return out
 
 
-def make_vad(kind: str, device: str, pad_s: float = SPEECH_PAD_S) -> Vad:
-    """pyannote keeps whisperx's own merge rules; ``pad_s`` is Silero's span padding."""
-    return PyannoteVad(device) if kind == "pyannote" else SileroVad(pad_s)
+def make_vad(kind: str, device: str, pad_s: float = SPEECH_PAD_S,
+             cache_dir: Path | None = None) -> Vad:
+    """pyannote keeps whisperx's own merge rules; ``pad_s`` is Silero's span padding;
+    ``cache_dir`` keeps Silero's cut front end (see :func:`_fft_tail`)."""
+    return PyannoteVad(device) if kind == "pyannote" else SileroVad(pad_s, cache_dir=cache_dir)

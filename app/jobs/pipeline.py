@@ -136,7 +136,8 @@ async def build(settings: Settings, engine_factory: EngineFactory,
         monitor = await asyncio.to_thread(DeviceMonitor, device)
     # Silero runs in the prep processes (or threads), on their CPU.
     vad_kind = "silero" if settings.model.vad == "auto" else settings.model.vad
-    vad = await asyncio.to_thread(make_vad, vad_kind, device, settings.prep.speech_pad_s)
+    vad = await asyncio.to_thread(make_vad, vad_kind, device, settings.prep.speech_pad_s,
+                                  settings.model.cache_dir)
     pool = make_pool(started.engines, settings, started.failed)  # least loaded engine first
     # GPU: the cap the warm-up measured per engine (the smallest); CPU: as configured.
     batcher_settings = resolve_batcher(settings.batcher, started.sizings)
