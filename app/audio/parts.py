@@ -26,7 +26,12 @@ GPU's batch. Cut into parts, each decoded from its own seek point in its own pre
 
 Windows near a seam differ from one pass's (a window that would have crossed it is two), and
 so do span edges where the warmed state still differs; the transcript of a split 20-minute
-upload matches the unsplit one (tests/test_parts_model.py).
+upload matches the unsplit one (tests/test_parts_model.py). A new window start can change what
+Whisper reads, as any window start can: on 4 minutes of read speech in 60 s parts (the shortest
+``prep.part_s`` allows), part 1's first window [64.90, 93.38] s holds every sample of "he could
+wait no longer", and whisper-base without timestamps reads that window, alone, without it (also
+from 64.8 s, where the unsplit cutter would start it). tests/test_parts.py checks the samples:
+every one that one pass calls speech is in exactly one window, at the shortest parts too.
 """
 
 from __future__ import annotations

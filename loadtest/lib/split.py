@@ -9,6 +9,10 @@ clip's place and reference are known. Two figures:
 
 * **At the seams**: the words within 4 s of each seam, in the whole and the split transcript:
   insertions and deletions between them (a word may be spelled differently: its window differs).
+  ``normalise`` expands "world's" to "world is", so "world's dew" against "worlds due" counts a
+  deletion (6 minutes in 90 s parts, the seam at 294.8 s: a spelling, no word lost). A word
+  count at a seam is Whisper's reading of different windows; the windows' samples are checked
+  exactly in tests/test_parts.py.
 * **Overall**: both transcripts' WER against the references. Every window after a seam groups
   speech differently (the cutter starts again there), and a grouping can make Whisper stop early
   or read a word differently anywhere in the upload: on 20 minutes the whole read 7.51 % against
