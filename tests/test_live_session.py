@@ -54,7 +54,7 @@ async def test_server_vad_turn_sends_openai_events_in_order_with_text_while_spea
 
 
 async def test_the_final_decode_starts_at_the_pause() -> None:
-    """The turn's final decode starts ``early_final_ms`` (200) into the silence, while the VAD
+    """The turn's final decode starts ``early_final_ms`` (here 200) into the silence, while the VAD
     still waits out its 500 ms: one final decode, of the turn up to the pause, whose text is the
     completed transcript. Off, the one final decode is of the whole turn (3.8 s)."""
     audio = np.concatenate([silence(1.0), speech(3.0), silence(1.0)])
