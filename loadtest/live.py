@@ -35,6 +35,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import tempfile
 import time
 from pathlib import Path
@@ -386,17 +387,20 @@ def main() -> None:
                     "(one JSON line per engine call and submit; loadtest/lib/batch_trace.py)")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
+    from loadtest.lib.common import machine_info
+
+    machine = machine_info()  # the tree as the run starts (a commit during the run is not it)
+    # The service's settings given in the environment (the started service inherits them).
+    settings = {k: v for k, v in sorted(os.environ.items())
+                if k.startswith("BATCHSCRIBE_") and "KEY" not in k}
     with tempfile.TemporaryDirectory(prefix="live-") as tmp:
         results = asyncio.run(run(args, Path(tmp)))
     args.out.parent.mkdir(parents=True, exist_ok=True)
-    from loadtest.lib.common import machine_info
-
-    machine = machine_info()
     args.out.write_text(json.dumps({
         "commit": machine["git"], "clean_tree": machine["git_clean"], "machine": machine,
         "target": "the service's /v1/realtime route" if args.url is None else args.url,
         "args": {k: str(v) for k, v in vars(args).items() if k != "api_key"},
-        "results": results}, indent=1))
+        "settings_env": settings, "results": results}, indent=1))
 
 
 if __name__ == "__main__":
