@@ -245,7 +245,7 @@ def test_a_diarize_job_names_its_segments_and_reports_its_speaker_time(
     import app.jobs.pipeline as builder
 
     mp = pytest.MonkeyPatch()
-    mp.setattr(builder, "make_vad", lambda kind, device, pad_s: TurnsVad())
+    mp.setattr(builder, "make_vad", lambda kind, device, pad_s, cache_dir=None: TurnsVad())
     try:
         with serve(create_app(fake_settings(tmp_path), engine_factory=lambda s: fake)) as url, \
                 httpx.Client(base_url=url, timeout=60) as client:

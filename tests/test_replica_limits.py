@@ -50,12 +50,27 @@ def env(url: str, replica: str) -> dict[str, str]:
 
 
 def trickling_upload(srv: Server, key: str) -> socket.socket:
-    """An upload whose body never completes: one transfer held while the socket is open."""
-    s = socket.create_connection(("127.0.0.1", srv.port))
-    s.sendall(f"POST /transcribe HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nAuthorization: "
-              f"Bearer {key}\r\nContent-Type: multipart/form-data; boundary=b\r\n"
-              "Content-Length: 1000000\r\n\r\n--b\r\n".encode())
-    return s
+    """An upload whose body never completes: one transfer held while the socket is open.
+
+    The gate answers before a body byte, so an answer within a second is a refusal: CI once saw
+    replica 1 refuse one of the two (a 429 in its log, the test then waiting 30 s for a cap
+    replica 2 could never see); its body is in the failure, and the upload is tried again."""
+    refusals = []
+    for _ in range(5):
+        s = socket.create_connection(("127.0.0.1", srv.port))
+        s.sendall(f"POST /transcribe HTTP/1.1\r\nHost: 127.0.0.1:{srv.port}\r\nAuthorization: "
+                  f"Bearer {key}\r\nContent-Type: multipart/form-data; boundary=b\r\n"
+                  "Content-Length: 1000000\r\n\r\n--b\r\n".encode())
+        s.settimeout(1.0)
+        try:
+            answer = s.recv(4096)
+        except TimeoutError:
+            s.settimeout(None)
+            return s  # held: the gate let it in and waits for the body
+        s.close()
+        refusals.append(answer.decode(errors="replace"))
+        time.sleep(0.5)
+    raise AssertionError(f"the trickling upload was refused: {refusals}")
 
 
 def upload(srv: Server, key: str, clip: Clip) -> httpx.Response:
