@@ -45,7 +45,7 @@ import aiohttp
 from loadtest.lib.common import ROOT, cpu_count, free_port, machine_info, wait_up
 from loadtest.lib.corpus import SHORT_CLIP_S, Clip, load_corpus
 from loadtest.lib.feed_audio import FORMATS, uploads
-from loadtest.lib.probes import cpu_seconds
+from loadtest.lib.probes import children_cpu, cpu_seconds
 from loadtest.lib.stats import latency_summary
 
 TREE_SCRIPT = ROOT / "loadtest" / "lib" / "feed_tree.py"
@@ -106,15 +106,8 @@ class Service:
 
     def cpu_s(self) -> dict[str, float]:
         """CPU seconds of the service process and of its children (prep processes)."""
-        kids = 0.0
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                fields = stat.read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(fields[1]) == self.proc.pid:
-                kids += cpu_seconds(int(stat.parent.name))
-        return {"service": round(cpu_seconds(self.proc.pid), 2), "children": round(kids, 2)}
+        return {"service": round(cpu_seconds(self.proc.pid), 2),
+                "children": round(children_cpu(self.proc.pid), 2)}
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -75,16 +76,61 @@ def thread_cpu(pid: int) -> dict[str, float]:
     return out
 
 
-def cpu_split(pid: int, before: tuple[float, dict[str, float]], after: tuple[float, dict[str, float]],
-              wall_s: float, engine_threads: int) -> dict[str, Any]:
+def children_cpu(pid: int) -> float:
+    """utime + stime of every live descendant of a process (the prep processes), in seconds."""
+    parent: dict[int, int] = {}
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            with contextlib.suppress(OSError, IndexError, ValueError):
+                parent[int(entry.name)] = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+    kids, frontier = [], [pid]
+    while frontier:
+        frontier = [c for c, p in parent.items() if p in frontier]
+        kids += frontier
+    return sum(cpu_seconds(k) for k in kids)
+
+
+def involuntary_switches(pid: int) -> dict[str, int]:
+    """Times each thread of a process was taken off a CPU it still wanted, by thread id."""
+    out: dict[str, int] = {}
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError, StopIteration):
+            line = next(x for x in (task / "status").read_text().splitlines()
+                        if x.startswith("nonvoluntary_ctxt_switches"))
+            out[task.name] = int(line.split()[1])
+    return out
+
+
+@dataclass(frozen=True)
+class CpuSnap:
+    """One reading of a server's CPU: the process, its threads, its descendants, and how often
+    each thread was preempted."""
+    process_s: float
+    threads: dict[str, float]
+    children_s: float
+    preempted: dict[str, int]
+
+
+def cpu_snap(pid: int) -> CpuSnap:
+    return CpuSnap(cpu_seconds(pid), thread_cpu(pid), children_cpu(pid), involuntary_switches(pid))
+
+
+def cpu_split(before: CpuSnap, after: CpuSnap, wall_s: float, engine_threads: int) -> dict[str, Any]:
     """Where the server's CPU went: its ``engine_threads`` busiest threads (CTranslate2's
-    workers, which run the whole encode and decode) against everything else (HTTP, store,
-    decode, VAD, mel, batching), in cores."""
-    per = sorted((after[1][t] - before[1].get(t, 0.0) for t in after[1]), reverse=True)
-    total = (after[0] - before[0]) / wall_s
-    engine = sum(per[:engine_threads]) / wall_s
+    workers, which run the whole encode and decode) against everything else in the process
+    (HTTP, store, batching, result assembly), and its child processes (prep: decode, VAD,
+    cut), in cores; and how often per second the engine threads were preempted (another
+    process or thread taking their core mid-batch costs them their caches)."""
+    per = sorted(((after.threads[t] - before.threads.get(t, 0.0), t) for t in after.threads),
+                 reverse=True)
+    total = (after.process_s - before.process_s) / wall_s
+    engine = sum(c for c, _ in per[:engine_threads]) / wall_s
+    switches = sum(after.preempted.get(t, 0) - before.preempted.get(t, 0)
+                   for _, t in per[:engine_threads])
     return {"process_cores": round(total, 3), "engine_thread_cores": round(engine, 3),
-            "other_cores": round(total - engine, 3), "engine_threads": engine_threads}
+            "other_cores": round(total - engine, 3), "engine_threads": engine_threads,
+            "children_cores": round((after.children_s - before.children_s) / wall_s, 3),
+            "engine_preempted_per_s": round(switches / wall_s, 1)}
 
 
 def cpu_seconds(pid: int) -> float:

@@ -62,7 +62,8 @@ def combine_rounds(loads: Sequence[dict[str, Any]], latencies: Sequence[float],
     cpu = None
     if cpus:
         cpu = {k: round(statistics.fmean(c[k] for c in cpus), 3)
-               for k in ("process_cores", "engine_thread_cores", "other_cores")}
+               for k in ("process_cores", "engine_thread_cores", "other_cores", "children_cores",
+                         "engine_preempted_per_s") if all(k in c for c in cpus)}
         cpu["engine_threads"] = cpus[0]["engine_threads"]
     return {
         "clients": first["clients"], "warmup_s": first["warmup_s"],
@@ -247,8 +248,10 @@ def render_markdown(res: dict[str, Any]) -> str:
     if cpu:
         lines += ["", f"Server CPU under load: {cpu['process_cores']} cores, of which its "
                   f"{cpu['engine_threads']} busiest threads (CTranslate2's workers) "
-                  f"{cpu['engine_thread_cores']} and everything else (HTTP, job store, decode, "
-                  f"VAD, mel, batching) {cpu['other_cores']}."]
+                  f"{cpu['engine_thread_cores']} and everything else (HTTP, job store, "
+                  f"batching, results) {cpu['other_cores']}"
+                  + (f"; its prep processes (decode, VAD, cut) {cpu['children_cores']}"
+                     if "children_cores" in cpu else "") + "."]
     idle = svc.get("idle", {}).get("latency_short", {})
     lat_load = load.get("latency_short", {})
     lines += [

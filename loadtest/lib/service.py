@@ -23,12 +23,13 @@ import aiohttp
 from loadtest.lib.common import ROOT, child_env, free_port, proc_status_kb, wait_up, write_wav16
 from loadtest.lib.corpus import SHORT_CLIP_S, Clip, replay_order
 from loadtest.lib.probes import (
+    CpuSnap,
     counter_delta,
     cpu_seconds,
+    cpu_snap,
     cpu_split,
     histogram_delta,
     parse_metrics,
-    thread_cpu,
 )
 from loadtest.lib.stats import latency_summary
 
@@ -240,12 +241,12 @@ async def closed_loop(client: Client, clips: Sequence[Clip], n_clients: int, war
         while time.monotonic() < t_stop:
             results.append(await client.transcribe(cycle.next()))
 
-    cpu: dict[str, tuple[float, dict[str, float]]] = {}
+    cpu: dict[str, CpuSnap] = {}
 
     async def snapshot(at: float, key: str) -> None:
         await asyncio.sleep(max(0.0, at - time.monotonic()))
         if pid is not None:
-            cpu[key] = (cpu_seconds(pid), thread_cpu(pid))
+            cpu[key] = await asyncio.to_thread(cpu_snap, pid)
         snaps[key] = await client.metrics()
 
     await asyncio.gather(snapshot(t_start, "start"), snapshot(t_stop, "stop"),
@@ -268,7 +269,7 @@ async def closed_loop(client: Client, clips: Sequence[Clip], n_clients: int, war
                                           "batchscribe_batch_duration_seconds"),
         "engine_audio_s": counter_delta(snaps["start"], snaps["stop"],
                                         "batchscribe_audio_processed_seconds_total"),
-        "cpu": (cpu_split(pid, cpu["start"], cpu["stop"], duration_s, engine_threads)
+        "cpu": (cpu_split(cpu["start"], cpu["stop"], duration_s, engine_threads)
                 if pid is not None else None),
         "_results": results,
         "_counted": ok,  # the requests behind the throughput and latencies above
