@@ -147,6 +147,7 @@ def make_batches(windows: Sequence[ClipWindow], batch: int, order: str) -> list[
 
 def cmd_engine(args: argparse.Namespace) -> dict[str, Any]:
     from app.config import ModelSettings
+    from app.engine.heap import HeapTrim
     from app.engine.whisper import WhisperEngine
     from app.windows import DecodeOptions, LanguageChoice, Prompt
 
@@ -184,11 +185,16 @@ def cmd_engine(args: argparse.Namespace) -> dict[str, Any]:
             for _ in range(args.workers):
                 free.put(eng)
 
+        trim = (HeapTrim(args.heap_release_mb << 20, args.heap_release_every_s)
+                if args.heap_release_mb else None)
+
         def run(batch: list[ClipWindow]) -> list[str]:
             eng = free.get()
             try:
                 return [r.text for r in eng.transcribe_batch([w.window for w in batch], opts)]
             finally:
+                if trim is not None:
+                    trim()
                 free.put(eng)
 
         for b in sorted(int(x) for x in args.batches.split(",")):
@@ -212,6 +218,8 @@ def cmd_engine(args: argparse.Namespace) -> dict[str, Any]:
                 "window_throughput_x": round(passes * window_audio / wall, 3),
                 "peak_rss_mb": sampler.peak_mb,
             }
+            if trim is not None:
+                run_out["heap_releases"] = trim.released
             if args.texts:
                 run_out["texts"] = join_texts(flat, texts)
             out["runs"].append(run_out)
@@ -257,6 +265,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     e.add_argument("--repeat", type=int, default=1,
                    help="each clip's windows this many times (copies of one upload)")
     e.add_argument("--texts", action="store_true", help="keep per-clip transcripts (for WER)")
+    e.add_argument("--heap-release-mb", type=int, default=0,
+                   help="after each call, free heap above this goes back to the OS, as the "
+                   "service's engine runner does (app/engine/heap.py); 0: never")
+    e.add_argument("--heap-release-every-s", type=float, default=60.0,
+                   help="at most one such release per this (0: after every call that leaves "
+                   "that much free)")
     e.add_argument("--sequential-texts", action="store_true",
                    help="also transcribe every window alone (batch 1), untimed, for WER")
     args = p.parse_args(argv)

@@ -10,14 +10,23 @@ soak on the multilingual corpus (long clips, so 30 s windows) stepped from 3,352
 55 ms for those 831 MiB, and the same batch ran again in 9.6 s against 9.5 s), the floor
 follows what is in use. With glibc's malloc, ``malloc_trim(0)`` does the same.
 
-Only when more than ``threshold`` bytes are free: small calls leave small remainders that the
-allocator reuses at once, and returning them would only cost page faults.
+Only when more than ``threshold`` bytes are free, and **at most once per ``every_s``** while
+the engine is busy: a release hands back the pages the very next calls need again, and faulting
+them in costs CPU. Released after every large call, as at first, 2 workers x batches of 8 corpus
+windows released after half their calls and ran 3.9 M minor page faults against 0.7 M, 110 CPU-s
+against 94 (``python -m loadtest.offline engine --heap-release-mb 256``, tcmalloc): ~0.8 CPU-s per
+release, the ~12 % the 32-client bench lost against the engine alone. Once a minute it costs
+~1 % of a core; a one-off peak is back with the OS within a minute under load, and
+``idle_s`` after the engine falls idle (:class:`app.engine.placement.EngineRunner`).
 """
 
 from __future__ import annotations
 
 import ctypes
 import logging
+import threading
+import time
+from collections.abc import Callable
 from typing import Any
 
 log = logging.getLogger(__name__)
@@ -26,11 +35,16 @@ FREE_PROPERTY = b"tcmalloc.pageheap_free_bytes"
 
 
 class HeapTrim:
-    """Callable after each engine call (on the engine's thread)."""
+    """Called after each engine call (on the engine's threads), and when the engine is idle."""
 
-    def __init__(self, threshold_bytes: int = 256 << 20, lib: Any = None) -> None:
+    def __init__(self, threshold_bytes: int = 256 << 20, every_s: float = 60.0, lib: Any = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.threshold = threshold_bytes
-        self.released = 0  # calls that gave memory back
+        self.every_s = every_s
+        self.released = 0  # releases done
+        self._clock = clock
+        self._last = -float("inf")
+        self._lock = threading.Lock()
         self._lib = lib if lib is not None else ctypes.CDLL(None)
         self._tcmalloc = hasattr(self._lib, "MallocExtension_ReleaseFreeMemory")
         self._glibc = not self._tcmalloc and hasattr(self._lib, "malloc_trim")
@@ -46,16 +60,26 @@ class HeapTrim:
             return int(self._lib.mallinfo2().fordblks)
         return None
 
-    def __call__(self) -> None:
-        free = self.free_bytes()
-        if free is None or free < self.threshold:
-            return
-        if self._tcmalloc:
-            self._lib.MallocExtension_ReleaseFreeMemory()
-        else:
-            self._lib.malloc_trim(0)
-        self.released += 1
+    def __call__(self) -> bool:
+        """After an engine call: release if the last release is ``every_s`` old."""
+        if self._clock() - self._last < self.every_s:
+            return False
+        return self.release()
+
+    def release(self) -> bool:
+        """Give the free heap back now if more than ``threshold`` is free (the engine idle)."""
+        with self._lock:
+            free = self.free_bytes()
+            if free is None or free < self.threshold:
+                return False
+            if self._tcmalloc:
+                self._lib.MallocExtension_ReleaseFreeMemory()
+            else:
+                self._lib.malloc_trim(0)
+            self._last = self._clock()
+            self.released += 1
         log.debug("returned %d MiB of free heap to the OS", free >> 20)
+        return True
 
 
 class _MallInfo2(ctypes.Structure):

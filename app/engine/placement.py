@@ -277,26 +277,50 @@ class EnginePool:
 
 
 class EngineRunner:
-    """Runs the engine's calls on its dedicated threads, one batch per thread; after each call
-    the heap the call freed goes back to the OS when it is large (:mod:`app.engine.heap`)."""
+    """Runs the engine's calls on its dedicated threads, one batch per thread. The heap a call
+    freed goes back to the OS when it is large, at most once per ``trim.every_s`` while calls
+    keep coming, and ``idle_s`` after the last call when none follows (:mod:`app.engine.heap`)."""
 
-    def __init__(self, engine: Engine) -> None:
+    def __init__(self, engine: Engine, trim: HeapTrim | None = None, idle_s: float = 5.0) -> None:
         self.engine = engine
         self.workers = max(1, engine.info.num_workers)
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="engine")
-        self._trim = HeapTrim()
+        self._trim = trim
+        self.idle_s = idle_s
+        self._in_flight = 0
+        self._idle: asyncio.TimerHandle | None = None
+        self._closed = False
 
     @property
     def staged(self) -> bool:
         return bool(getattr(self.engine, "staged", False))
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
+        trim = self._trim
+
         def call() -> T:
             try:
                 return fn(*args)
             finally:
-                self._trim()
-        return await asyncio.get_running_loop().run_in_executor(self._pool, call)
+                if trim is not None:
+                    trim()
+        loop = asyncio.get_running_loop()
+        if self._idle is not None:
+            self._idle.cancel()
+            self._idle = None
+        self._in_flight += 1
+        try:
+            return await loop.run_in_executor(self._pool, call)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0 and trim is not None and not self._closed:
+                self._idle = loop.call_later(self.idle_s, self._release_idle)
+
+    def _release_idle(self) -> None:
+        """``idle_s`` after the last call, none since: the free heap goes back (off the loop)."""
+        self._idle = None
+        if self._in_flight == 0 and self._trim is not None and not self._closed:
+            self._pool.submit(self._trim.release)
 
     async def run(self, windows: Sequence[Window], options: DecodeOptions) -> list[WindowResult]:
         return await self._call(self.engine.transcribe_batch, windows, options)
@@ -314,6 +338,9 @@ class EngineRunner:
         return await self._call(cast(StagedEngine, self.engine).redo, windows, encoded, options)
 
     def close(self) -> None:
+        self._closed = True
+        if self._idle is not None:
+            self._idle.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.engine.close()
 
@@ -367,9 +394,11 @@ class NvmlUtilisation:
 
 def make_pool(engines: Sequence[Engine], settings: Settings | None = None,
               failed: Sequence[EngineFailure] = ()) -> EnginePool:
-    runners = [EngineRunner(e) for e in engines]
-    util = NvmlUtilisation() if engines[0].info.device == "cuda" and len(engines) > 1 else None
     s = settings or Settings()
+    mb = s.model.heap_release_mb
+    runners = [EngineRunner(e, HeapTrim(mb << 20, s.model.heap_release_every_s) if mb else None)
+               for e in engines]
+    util = NvmlUtilisation() if engines[0].info.device == "cuda" and len(engines) > 1 else None
     return EnginePool(runners, util, strikes=s.model.engine_strikes, retry_s=s.model.engine_retry_s,
                       unhealthy_after=s.batcher.unhealthy_after, failed=failed)
 
