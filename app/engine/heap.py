@@ -22,6 +22,7 @@ release, the ~12 % the 32-client bench lost against the engine alone. Once a min
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
 import logging
 import threading
@@ -80,6 +81,38 @@ class HeapTrim:
             self.released += 1
         log.debug("returned %d MiB of free heap to the OS", free >> 20)
         return True
+
+
+class IdleRelease:
+    """The event loop's side of a runner's trim: calls in flight counted, and the free heap
+    released ``idle_s`` after the last one ended when none started since (on ``submit``: the
+    engine's own threads, off the loop)."""
+
+    def __init__(self, trim: HeapTrim, submit: Callable[[Callable[[], bool]], object],
+                 idle_s: float = 5.0) -> None:
+        self.trim, self.submit, self.idle_s = trim, submit, idle_s
+        self.in_flight = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self.closed = False
+
+    def started(self) -> None:
+        self.cancel()
+        self.in_flight += 1
+
+    def ended(self) -> None:
+        self.in_flight -= 1
+        if self.in_flight == 0 and not self.closed:
+            self._timer = asyncio.get_running_loop().call_later(self.idle_s, self._idle)
+
+    def _idle(self) -> None:
+        self._timer = None
+        if self.in_flight == 0 and not self.closed:
+            self.submit(self.trim.release)
+
+    def cancel(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
 
 class _MallInfo2(ctypes.Structure):

@@ -38,7 +38,7 @@ from typing import Any, TypeVar, cast
 from app.config import Settings
 from app.engine import Engine, EngineFailure, StagedEngine
 from app.engine.device import cuda_device_count, is_oom, is_sticky, resolve_device
-from app.engine.heap import HeapTrim
+from app.engine.heap import HeapTrim, IdleRelease
 from app.windows import DecodeOptions, Encoded, Window, WindowResult
 
 log = logging.getLogger(__name__)
@@ -286,17 +286,14 @@ class EngineRunner:
         self.workers = max(1, engine.info.num_workers)
         self._pool = ThreadPoolExecutor(self.workers, thread_name_prefix="engine")
         self._trim = trim
-        self.idle_s = idle_s
-        self._in_flight = 0
-        self._idle: asyncio.TimerHandle | None = None
-        self._closed = False
+        self._idle = IdleRelease(trim, self._pool.submit, idle_s) if trim is not None else None
 
     @property
     def staged(self) -> bool:
         return bool(getattr(self.engine, "staged", False))
 
     async def _call(self, fn: Callable[..., T], *args: Any) -> T:
-        trim = self._trim
+        trim, idle = self._trim, self._idle
 
         def call() -> T:
             try:
@@ -304,23 +301,13 @@ class EngineRunner:
             finally:
                 if trim is not None:
                     trim()
-        loop = asyncio.get_running_loop()
-        if self._idle is not None:
-            self._idle.cancel()
-            self._idle = None
-        self._in_flight += 1
+        if idle is not None:
+            idle.started()
         try:
-            return await loop.run_in_executor(self._pool, call)
+            return await asyncio.get_running_loop().run_in_executor(self._pool, call)
         finally:
-            self._in_flight -= 1
-            if self._in_flight == 0 and trim is not None and not self._closed:
-                self._idle = loop.call_later(self.idle_s, self._release_idle)
-
-    def _release_idle(self) -> None:
-        """``idle_s`` after the last call, none since: the free heap goes back (off the loop)."""
-        self._idle = None
-        if self._in_flight == 0 and self._trim is not None and not self._closed:
-            self._pool.submit(self._trim.release)
+            if idle is not None:
+                idle.ended()
 
     async def run(self, windows: Sequence[Window], options: DecodeOptions) -> list[WindowResult]:
         return await self._call(self.engine.transcribe_batch, windows, options)
@@ -338,8 +325,8 @@ class EngineRunner:
         return await self._call(cast(StagedEngine, self.engine).redo, windows, encoded, options)
 
     def close(self) -> None:
-        self._closed = True
         if self._idle is not None:
+            self._idle.closed = True
             self._idle.cancel()
         self._pool.shutdown(wait=True, cancel_futures=True)
         self.engine.close()
