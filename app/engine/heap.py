@@ -23,6 +23,7 @@ release, the ~12 % the 32-client bench lost against the engine alone. Once a min
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import ctypes
 import logging
 import threading
@@ -107,7 +108,8 @@ class IdleRelease:
     def _idle(self) -> None:
         self._timer = None
         if self.in_flight == 0 and not self.closed:
-            self.submit(self.trim.release)
+            with contextlib.suppress(RuntimeError):  # the pool shut down meanwhile
+                self.submit(self.trim.release)
 
     def cancel(self) -> None:
         if self._timer is not None:
