@@ -22,8 +22,9 @@ Starts ``python -m app`` on a free port with a temporary data dir, two API keys,
 * a webhook receiver (loadtest/lib/hook_receiver.py) answering 200, or 200 and an endless body
   (trickled, or as fast as it goes): each attempt must end by the service's deadline.
 
-RSS is read every ``--sample-s`` seconds; after ``--warmup-s`` a least-squares line gives the
-growth over the run: "flat" when under max(64 MiB, 5 % of the post-warm-up mean). At the end
+RSS is read every ``--sample-s`` seconds; after ``--warmup-s`` it is "flat" when its floor (each
+two minutes' lowest) grew less than max(64 MiB, 5 % of the mean) and its last quarter set no new
+high by as much (:func:`summarise`). At the end
 every accepted job is awaited (``--drain-s``) and audited: none missing from GET /jobs, none
 left queued or running, cancelled only by us, failed only with a clear error, and each as its
 input expects; webhooks delivered. Exit 1 on any 5xx, transport error, failed check, lost job,
@@ -55,6 +56,7 @@ from loadtest.lib.common import child_env, free_port, machine_info, proc_status_
 from loadtest.lib.corpus import DEFAULT_CORPUS, Clip, load_corpus
 from loadtest.lib.hook_receiver import HookReceiver
 from loadtest.lib.hostile_inputs import header_only_wav, load, lying_flac, lying_mkv, wav
+from loadtest.lib.rss_verdict import summarise
 from loadtest.lib.soak_audit import audit, latencies
 from loadtest.lib.soak_hostile import CANCELLABLE, OTHER, TERMINAL, Expect, Hostile, Media, Recorder
 
@@ -211,64 +213,6 @@ def read_rss(pid: int | None, url: str) -> int | None:
     except httpx.HTTPError:
         return None
     return None
-
-
-def slope(points: list[tuple[float, int]]) -> float:
-    """Least-squares bytes per second."""
-    n = len(points)
-    if n < 2:
-        return 0.0
-    mt = sum(t for t, _ in points) / n
-    mr = sum(r for _, r in points) / n
-    den = sum((t - mt) ** 2 for t, _ in points)
-    return sum((t - mt) * (r - mr) for t, r in points) / den if den else 0.0
-
-
-STEP_S = 60.0
-
-
-def summarise(samples: list[tuple[float, int]], warmup_s: float, duration_s: float) -> dict[str, Any]:
-    """RSS after the warm-up: ``flat`` (the fitted growth under max(64 MiB, 5 % of the mean)),
-    else ``step`` or ``growing``. Both fail; they differ in what to look for. A step is most of
-    the rise within one minute, with the samples after it flat by the same rule:
-    a floor raised once (an allocation kept after the largest batch, a cache filled), bounded,
-    not a leak. Growing is a rise that goes on: a leak, or an unbounded cache."""
-    mib = 2**20
-    after = [(t, r) for t, r in samples if t >= warmup_s]
-    if len(after) < 2:
-        return {"verdict": "too short", "samples_after_warmup": len(after)}
-    rate = slope(after)
-    growth = rate * (after[-1][0] - after[0][0])
-    mean = sum(r for _, r in after) / len(after)
-    allowed = max(64 * mib, 0.05 * mean)
-    # The largest rise within STEP_S (the multilingual soak's rose 1,100 MiB over two samples).
-    jumps = []
-    for i, (t0, r0) in enumerate(after):
-        for j in range(i + 1, len(after)):
-            if after[j][0] - t0 > STEP_S:
-                break
-            jumps.append((after[j][1] - r0, -j))  # the earliest end among equal rises
-    jump, at = max(jumps)
-    at = -at
-    tail = after[at:]
-    tail_growth = slope(tail) * (tail[-1][0] - tail[0][0]) if len(tail) >= 2 else 0.0
-    verdict = "flat"
-    if growth >= allowed:
-        one_off = jump >= 0.8 * (after[-1][1] - after[0][1]) and abs(tail_growth) < allowed
-        verdict = "step" if one_off and len(tail) >= 0.25 * len(after) else "growing"
-    return {
-        "rss_at_warmup_mib": round(after[0][1] / mib, 1), "rss_end_mib": round(after[-1][1] / mib, 1),
-        "rss_peak_mib": round(max(r for _, r in samples) / mib, 1),
-        "rss_min_after_warmup_mib": round(min(r for _, r in after) / mib, 1),
-        "rss_max_after_warmup_mib": round(max(r for _, r in after) / mib, 1),
-        "slope_mib_per_min": round(rate * 60 / mib, 3), "fitted_growth_mib": round(growth / mib, 1),
-        "allowed_growth_mib": round(allowed / mib, 1),
-        "largest_rise_in_a_minute_mib": round(jump / mib, 1),
-        "largest_rise_ends_at_s": round(after[at][0], 1),
-        "growth_after_it_mib": round(tail_growth / mib, 1),
-        "verdict": verdict,
-        "duration_s": duration_s, "warmup_s": warmup_s, "samples_after_warmup": len(after),
-    }
 
 
 def start_server(env: dict[str, str], data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:
