@@ -216,6 +216,11 @@ def _collect_texts(obj: Any, path: str = "") -> dict[str, Any]:
     return out
 
 
+def markdown(res: dict[str, Any]) -> str:
+    """The results' Markdown: the README's block between the bench marks."""
+    return render_markdown(res) + speakers_bench.markdown(res)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m loadtest.bench", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -263,9 +268,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", type=Path, default=None, help="default: a temp dir, removed")
     p.add_argument("--out", type=Path, default=Path("loadtest/results/bench.json"))
     p.add_argument("--readme", type=Path, default=None)
+    p.add_argument("--render", type=Path, default=None, metavar="RESULTS",
+                   help="run nothing: write RESULTS' Markdown (to --readme when given)")
     p.add_argument("--strict", action="store_true", help="exit 1 if a target of the issue is missed")
     args = p.parse_args(argv)
     skip = set(filter(None, args.skip.split(",")))
+    if args.render:
+        md = markdown(json.loads(args.render.read_text()))
+        print(md)
+        if args.readme:
+            replace_readme(args.readme, md)
+        return 0
 
     started = time.time()
     work = args.workdir or Path(tempfile.mkdtemp(prefix="batchscribe-bench-"))
@@ -315,7 +328,7 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps(_collect_texts(res), indent=1, ensure_ascii=False))
         if args.workdir is None and "checks" in res:
             shutil.rmtree(work, ignore_errors=True)
-    md = render_markdown(res) + speakers_bench.markdown(res)
+    md = markdown(res)
     args.out.with_suffix(".md").write_text(md)
     print(md)
     for c in res["checks"]:

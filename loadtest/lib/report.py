@@ -15,7 +15,7 @@ from typing import Any
 from app.client.scoring import normaliser_name
 from loadtest.lib.common import layout_name
 from loadtest.lib.corpus import READ_SPEECH, SHORT_CLIP_S, Clip
-from loadtest.lib.report_traffic import analyse_traffic, render_traffic
+from loadtest.lib.report_traffic import analyse_traffic, latency_rows, traffic_notes, traffic_rows
 from loadtest.lib.stats import latency_summary, wer_by_group
 
 START_MARK, END_MARK = "<!-- bench:start -->", "<!-- bench:end -->"
@@ -200,9 +200,8 @@ def render_markdown(res: dict[str, Any]) -> str:
         f"{v['faster-whisper']}, whisperx {v['whisperx']}, commit {mach['git']} "
         f"({'clean tree' if mach.get('git_clean') else 'tree NOT clean'}), "
         f"allocator {'glibc' if m['args']['no_tcmalloc'] else 'tcmalloc'}, model {st.get('model')} "
-        f"int8, {res['corpus']['clips']} corpus clips ({res['corpus']['audio_s']:.0f} s) replayed.",
-        "",
-        f"Command: `{m['command']}` ({m['runtime_s'] / 60:.1f} min)",
+        f"int8, {res['corpus']['clips']} corpus clips ({res['corpus']['audio_s']:.0f} s) replayed. "
+        f"Command: `{m['command']}` ({m['runtime_s'] / 60:.1f} min).",
         "",
         "| set-up | throughput (audio s / wall s) | service ÷ set-up | target | |",
         "| --- | --- | --- | --- | --- |",
@@ -234,35 +233,42 @@ def render_markdown(res: dict[str, Any]) -> str:
         lines.append(f"| engine, same config, windows batched in arrival order (not sorted) | "
                      f"{_x(arrival['throughput_x'])} | {_x(r.get('service/engine_arrival_order'))}"
                      f" | | context |")
+    lines += traffic_rows(res)
+    notes = []
     rounds = svc.get("rounds", [])
     if len(rounds) > 1:
         per = r.get("service/engine_limit_rounds") or []
-        lines += ["", f"Service rounds ({load.get('duration_s', 0):.0f} s each after a "
-                  f"{load.get('warmup_s', 0):.0f} s warm-up; the table gives the medians): "
-                  + "; ".join(
-                      f"{k + 1}: service {_x(x['load']['throughput_x'])}"
-                      + (f", engine limit just before {_x(x['engine_limit']['throughput_x'])},"
-                         f" ratio {per[k]:.3f}" if x.get("engine_limit") and k < len(per) else "")
-                      for k, x in enumerate(rounds)) + "."]
+        notes.append(f"Service rounds ({load.get('duration_s', 0):.0f} s each after a "
+                     f"{load.get('warmup_s', 0):.0f} s warm-up; the table gives the medians): "
+                     + "; ".join(
+                         f"{k + 1}: service {_x(x['load']['throughput_x'])}"
+                         + (f", engine limit just before {_x(x['engine_limit']['throughput_x'])},"
+                            f" ratio {per[k]:.3f}" if x.get("engine_limit") and k < len(per) else "")
+                         for k, x in enumerate(rounds)) + ".")
     cpu = load.get("cpu")
     if cpu:
-        lines += ["", f"Server CPU under load: {cpu['process_cores']} cores, of which its "
-                  f"{cpu['engine_threads']} busiest threads (CTranslate2's workers) "
-                  f"{cpu['engine_thread_cores']} and everything else (HTTP, job store, "
-                  f"batching, results) {cpu['other_cores']}"
-                  + (f"; its prep processes (decode, VAD, cut) {cpu['children_cores']}"
-                     if "children_cores" in cpu else "") + "."]
+        notes.append(f"Server CPU under load: {cpu['process_cores']} cores, of which its "
+                     f"{cpu['engine_threads']} busiest threads (CTranslate2's workers) "
+                     f"{cpu['engine_thread_cores']} and everything else (HTTP, job store, "
+                     f"batching, results) {cpu['other_cores']}"
+                     + (f"; its prep processes (decode, VAD, cut) {cpu['children_cores']}"
+                        if "children_cores" in cpu else "") + ".")
+    notes.append(f"Batch sizes under load (windows: batches): "
+                 f"{load.get('batch_size', {}).get('distribution')}, mean "
+                 f"{load.get('batch_size', {}).get('mean')}; mean batch fill (speech / 30 s "
+                 f"padding) {load.get('batch_fill', {}).get('mean')}.")
     idle = svc.get("idle", {}).get("latency_short", {})
     lat_load = load.get("latency_short", {})
     lines += [
-        "",
-        f"| latency of clips ≤ {SHORT_CLIP_S:.0f} s (upload to transcript) | n | p50 | p95 |",
-        "| --- | --- | --- | --- |",
+        "", " ".join(notes), "",
+        f"| latency of clips ≤ {SHORT_CLIP_S:.0f} s (from the POST) | n | p50 | p95 | |",
+        "| --- | --- | --- | --- | --- |",
         f"| idle server, one client, no language | {idle.get('n', '–')} | {_s(idle.get('p50_s'))} | "
-        f"{_s(idle.get('p95_s'))} |",
+        f"{_s(idle.get('p95_s'))} | |",
         *([f"| {load.get('clients')} clients replaying the corpus, language=en | "
-           f"{lat_load.get('n', '–')} | {_s(lat_load.get('p50_s'))} | {_s(lat_load.get('p95_s'))} |"]
+           f"{lat_load.get('n', '–')} | {_s(lat_load.get('p50_s'))} | {_s(lat_load.get('p95_s'))} | |"]
           if load else []),
+        *latency_rows(res),
     ]
     wer = res.get("wer", {})
 
@@ -273,20 +279,14 @@ def render_markdown(res: dict[str, Any]) -> str:
     c = checks.get("WER service − sequential (a), read speech, points")
     lines += [
         "",
-        f"| WER % ({wer.get('normaliser')}) | read speech ({'+'.join(READ_SPEECH)}) | other sets |",
-        "| --- | --- | --- |",
-        f"| (a) sequential, service settings | {w('sequential_a')} | {w('sequential_a', 'other_sets')} |",
-    ]
-    if "defaults_b" in wer:
-        lines.append(f"| (b) faster-whisper defaults | {w('defaults_b')} | – |")
-    if "engine_b1" in wer:
-        lines.append(f"| engine, same windows, batch 1 | {w('engine_b1')} | "
-                     f"{w('engine_b1', 'other_sets')} |")
-    lines += [
-        f"| engine limit config | {w('engine_limit')} | {w('engine_limit', 'other_sets')} |",
-        f"| service (batched) | {w('service')} | {w('service', 'other_sets')} |",
-        "",
-        f"WER service − sequential (a): {wer.get('service_minus_sequential_points')} points "
+        f"WER % ({wer.get('normaliser')}), read speech ({'+'.join(READ_SPEECH)}) / other sets: "
+        f"(a) sequential, service settings {w('sequential_a')} / {w('sequential_a', 'other_sets')}"
+        + (f"; (b) faster-whisper defaults {w('defaults_b')}" if "defaults_b" in wer else "")
+        + (f"; engine, same windows, batch 1 {w('engine_b1')} / {w('engine_b1', 'other_sets')}"
+           if "engine_b1" in wer else "")
+        + f"; engine limit config {w('engine_limit')} / {w('engine_limit', 'other_sets')}; "
+        f"service (batched) {w('service')} / {w('service', 'other_sets')}. "
+        f"Service − sequential (a): {wer.get('service_minus_sequential_points')} points "
         f"(target ≤ {TARGETS['wer_points']}) {_ok(c)}; service − same windows one at a time: "
         f"{wer.get('service_minus_same_windows_b1_points')} points "
         f"{_ok(checks.get('WER service − same windows one at a time, read speech, points'))}. "
@@ -294,18 +294,13 @@ def render_markdown(res: dict[str, Any]) -> str:
         f"{wer.get('engine_best_transcripts_changed_vs_b1', '–')} of "
         f"{wer.get('engine_transcripts_compared', '–')}; load-phase transcripts differing from the "
         f"WER pass: {load.get('transcripts_differing_from_wer_pass')} of "
-        f"{load.get('transcripts_compared')}.",
-        "",
+        f"{load.get('transcripts_compared')}. "
         f"Server peak RSS {svc.get('peak_rss_mb')} MB (after the load phase "
         f"{svc.get('peak_rss_load_mb')} MB); baselines peak RSS "
         + ", ".join(f"({k}) {base[k]['peak_rss_mb']} MB" for k in base)
         + (f"; engine limit config {best['peak_rss_mb']} MB" if best else "") + ".",
-        "",
-        f"Batch sizes under load (windows: batches): {load.get('batch_size', {}).get('distribution')}"
-        f", mean {load.get('batch_size', {}).get('mean')}; mean batch fill (speech / 30 s "
-        f"padding) {load.get('batch_fill', {}).get('mean')}.",
     ]
-    lines += render_traffic(res)
+    lines += traffic_notes(res)
     return "\n".join(lines) + "\n"
 
 

@@ -95,13 +95,14 @@ def _ok(checks: dict[str, Any], name: str) -> str:
     return "" if c is None or c["ok"] is None else ("pass" if c["ok"] else "**FAIL**")
 
 
-def render_traffic(res: dict[str, Any]) -> list[str]:
+def traffic_rows(res: dict[str, Any]) -> list[str]:
+    """Rows of the bench's throughput table for real traffic (issue 17): no language sent, the
+    peer, batch 1, the full axis, a long upload alone."""
     svc = res.get("service", {})
     eng = res.get("engine") or {}
     t = res.get("traffic", {})
     checks = {c["check"]: c for c in res.get("checks", [])}
-    lines = ["", "Real traffic (issue 17): no language sent, long uploads, memory.", "",
-             "| set-up | throughput | ratio | target | |", "| --- | --- | --- | --- | --- |"]
+    lines = []
     load, load_en = svc.get("load", {}), svc.get("load_en", {})
     if load:
         lines.append(f"| service, {load.get('clients')} clients, **no language** (detected), "
@@ -131,26 +132,44 @@ def render_traffic(res: dict[str, Any]) -> list[str]:
                      f"{_x(alone['throughput_x'])} | {_x(t.get('long_alone/engine_limit'))} of the "
                      f"engine limit | ≥ {TARGETS['long_alone']}x | "
                      f"{_ok(checks, 'a long upload alone ÷ engine limit')} |")
+    return lines
+
+
+def latency_rows(res: dict[str, Any]) -> list[str]:
+    """Rows of the bench's latency table (n, p50, p95, check) beyond idle and language=en."""
+    svc = res.get("service", {})
+    t = res.get("traffic", {})
+    checks = {c["check"]: c for c in res.get("checks", [])}
+    lines = []
+    load = svc.get("load", {})
+    if load.get("latency_short"):
+        lat = load["latency_short"]
+        lines.append(f"| {load.get('clients')} clients, no language | {lat.get('n')} | "
+                     f"{lat.get('p50_s')} s | {lat.get('p95_s')} s | |")
     lng = svc.get("long")
     if lng:
-        lat, idle = lng["latency_short"], svc.get("idle", {}).get("latency_short", {})
-        lines += ["", "| clips ≤ 10 s, one client, no language | n | p50 | p95 | |",
-                  "| --- | --- | --- | --- | --- |",
-                  f"| idle server | {idle.get('n')} | {idle.get('p50_s')} s | {idle.get('p95_s')} s | |",
-                  f"| from a {lng['long_audio_s'] / 60:.0f} min upload's POST (upload, prep and "
-                  f"all; the upload kept in flight) | {lat.get('n')} | {lat.get('p50_s')} s | "
-                  f"{lat.get('p95_s')} s | p95 {_x(t.get('long_p95/idle_p95'))} idle (≤ 3x) "
-                  f"{_ok(checks, 'short p95 from a 20-min upload' + chr(39) + 's POST ÷ idle p95')} |"]
+        lat = lng["latency_short"]
+        lines.append(f"| one client, from a {lng['long_audio_s'] / 60:.0f} min upload's POST (the "
+                     f"upload kept in flight), no language | {lat.get('n')} | {lat.get('p50_s')} s | "
+                     f"{lat.get('p95_s')} s | p95 {_x(t.get('long_p95/idle_p95'))} idle (≤ 3x) "
+                     f"{_ok(checks, 'short p95 from a 20-min upload' + chr(39) + 's POST ÷ idle p95')} |")
+    peer = (res.get("peer") or {}).get("load")
     if peer and load:
-        p, mine = res["peer"], load.get("latency_short", {})
-        lines += ["", f"Peer under the same {peer.get('clients')}-client closed loop: clips ≤ 10 s "
-                  f"p50 {peer['latency_short'].get('p50_s')} s, p95 "
-                  f"{peer['latency_short'].get('p95_s')} s (service, no language: "
-                  f"{mine.get('p50_s')} s, {mine.get('p95_s')} s); its peak RSS "
-                  f"{p.get('peak_rss_mb')} MB summed over its processes; "
-                  f"{peer.get('requests_failed')} failed; WER over the "
-                  f"{p['wer'].get('clips_transcribed')} clips it finished "
-                  f"{p['wer'].get('all', {}).get('wer_percent')} %."]
+        p = res["peer"]
+        lines.append(f"| peer, {peer.get('clients')} clients, no language ({peer.get('requests_failed')}"
+                     f" failed; WER over the {p['wer'].get('clips_transcribed')} clips it finished "
+                     f"{p['wer'].get('all', {}).get('wer_percent')} %, peak RSS "
+                     f"{p.get('peak_rss_mb')} MB over its processes) | "
+                     f"{peer['latency_short'].get('n', '–')} | {peer['latency_short'].get('p50_s')} s | "
+                     f"{peer['latency_short'].get('p95_s')} s | |")
+    return lines
+
+
+def traffic_notes(res: dict[str, Any]) -> list[str]:
+    """The memory sentence and the WER-by-set table."""
+    t = res.get("traffic", {})
+    checks = {c["check"]: c for c in res.get("checks", [])}
+    lines: list[str] = []
     rss = res.get("rss")
     if rss:
         lines += ["", f"Memory: a fresh server's idle peak RSS {rss['idle_peak_rss_mb']} MB; with a "

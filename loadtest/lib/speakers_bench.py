@@ -94,23 +94,17 @@ def markdown(res: dict[str, Any]) -> str:
         return ""
     p, q = d["plain"], d["diarize"]
 
-    def row(label: str, x: dict[str, Any], ratio: str) -> str:
+    def part(label: str, x: dict[str, Any]) -> str:
         lat = x.get("latency_all", {})
-        cpu = (x.get("cpu") or {}).get("process_cores")
-        return (f"| {label} | {x['throughput_x']}x | {ratio} | {lat.get('p50_s')} s | "
-                f"{lat.get('p95_s')} s | {cpu} |")
+        return (f"{label} {x['throughput_x']}x (latency p50 {lat.get('p50_s')} s, p95 "
+                f"{lat.get('p95_s')} s; server {(x.get('cpu') or {}).get('process_cores')} cores)")
 
     return "\n".join([
         "",
         f"Speakers: {d['clients']} clients replaying {d['clips']} recordings ({d['audio_s']} s: "
         "the diarization corpus and the corpus clips of >= 10 s), "
-        f"{p['duration_s']:.0f} s each way after a {p['warmup_s']:.0f} s warm-up.",
-        "",
-        "| same workload | throughput | ÷ plain | latency p50 | p95 | server cores |",
-        "| --- | --- | --- | --- | --- | --- |",
-        row("plain", p, ""),
-        row("diarize=true", q, f"{d['ratio']}"),
-        "",
-        f"Speaker time per diarized job (batchscribe_diarization_seconds, mean): "
+        f"{p['duration_s']:.0f} s each way after a {p['warmup_s']:.0f} s warm-up: "
+        f"{part('plain', p)}, {part('diarize=true', q)}: {d['ratio']} of plain; speaker time per "
+        f"diarized job (batchscribe_diarization_seconds, mean) "
         f"{q.get('diarization_s', {}).get('mean')} s.",
     ]) + "\n"
