@@ -317,7 +317,7 @@ def main(argv: list[str] | None = None) -> int:
             res["rss"] = asyncio.run(run_rss(args, work, clips, path, seconds))
         if "peer" not in skip:  # the same closed loop on faster-whisper-server, its own venv
             log("peer: faster-whisper-server side by side (loadtest/peer.py)")
-            res["peer"] = asyncio.run(peer.phase(args, work, clips))
+            res.update(asyncio.run(peer.phases(args, work, clips)))
         analyse(res, clips)
     finally:
         res["meta"]["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")

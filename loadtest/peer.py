@@ -21,9 +21,13 @@ The peer (github andyjjrt/faster-whisper-server) is a FastAPI app around faster-
 * ``batch_size`` > 1: faster-whisper's BatchedInferencePipeline (Silero VAD, then the speech
   chunks of ONE request decoded as a batch); 1 is the plain sequential ``transcribe``.
 
-Decoding options are the peer's defaults (beam 5, no VAD at batch 1, language detected), what
-its users get; int8 and the thread layout are deployment settings, set at their fastest
-(``--peer-layout``'s default; see the docstring of DEFAULT_LAYOUT).
+* ``transcribe_options`` in the YAML: keyword arguments of every ``transcribe`` call.
+
+Decoding options (``--peer-decode``): ``defaults``, the peer's own (beam 5, timestamps, fallback,
+no VAD at batch 1, language detected), what its users get; ``service``, the service's decode
+settings as ``transcribe_options`` (loadtest/offline.py ``SERVICE_KW``: greedy, no timestamp
+tokens, no fallback, Silero VAD), the matched comparison. int8 and the thread layout are
+deployment settings, set at their fastest (``--peer-layout``'s default; see DEFAULT_LAYOUT).
 
 Measured exactly as the bench measures the service (loadtest.lib.service.closed_loop): ``--clients``
 closed-loop clients replay the clips in the bench's order, ``--warmup`` s unmeasured then
@@ -88,6 +92,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peer-compute-type", default="int8", help="peer: WhisperModel compute_type")
     p.add_argument("--peer-batch-size", type=int, default=1,
                    help="peer: > 1 uses faster-whisper's BatchedInferencePipeline per request")
+    p.add_argument("--peer-decode", default="defaults,service",
+                   help="peer: decode settings, one run each: defaults (its own), service "
+                        "(the service's: beam 1, no timestamps, VAD)")
 
 
 def _opt(args: argparse.Namespace, name: str, default: Any) -> Any:
@@ -111,6 +118,7 @@ class PeerServer:
     compute_type: str = "int8"
     batch_size: int = 1
     tcmalloc: bool = True
+    transcribe_options: dict[str, Any] = field(default_factory=dict)
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
 
@@ -126,6 +134,7 @@ class PeerServer:
     def config(self) -> dict[str, Any]:
         return {"models": [{
             "name": MODEL_NAME, "path": self.model_path, "batch_size": self.batch_size,
+            "transcribe_options": self.transcribe_options,
             "model_options": {"device": "cpu", "compute_type": self.compute_type,
                               "cpu_threads": self.cpu_threads, "num_workers": 1,
                               "local_files_only": True}}]}
@@ -233,23 +242,34 @@ async def _cpu_in_window(server: PeerServer, t_start: float, t_stop: float) -> d
     return {"process_cores": round((server.cpu_seconds() - c0) / (t_stop - t_start), 3)}
 
 
-async def phase(args: argparse.Namespace, work: Path, clips: list[Clip]) -> dict[str, Any]:
+def decode_options(name: str) -> dict[str, Any]:
+    """``--peer-decode``'s ``transcribe_options``: the peer's defaults, or the service's."""
+    from loadtest.offline import SERVICE_KW
+
+    if name not in ("defaults", "service"):
+        raise SystemExit(f"--peer-decode: defaults or service, not {name!r}")
+    return {} if name == "defaults" else dict(SERVICE_KW)
+
+
+async def phase(args: argparse.Namespace, work: Path, clips: list[Clip],
+                decode: str = "defaults") -> dict[str, Any]:
     """Start the peer, run the bench's closed loop on it (``args.clients``, ``args.warmup``,
     ``args.duration``), stop it. Peer options come from :func:`add_arguments` if ``args`` has
-    them, else their defaults."""
+    them, else their defaults; ``decode`` names the decode settings (:func:`decode_options`)."""
     engines, processes, threads = parse_layout(_opt(args, "peer_layout", DEFAULT_LAYOUT))
     if engines != 1:
         raise SystemExit("--peer-layout is PROCESSES x THREADS, e.g. 1x2 or 2x1")
     python = await asyncio.to_thread(ensure_venv)
-    server = PeerServer(work, resolve_model(_opt(args, "model", "whisper-base")),
+    server = PeerServer(work / f"peer-{decode}", resolve_model(_opt(args, "model", "whisper-base")),
                         processes=processes, cpu_threads=threads,
                         compute_type=_opt(args, "peer_compute_type", "int8"),
                         batch_size=_opt(args, "peer_batch_size", 1),
-                        tcmalloc=not _opt(args, "no_tcmalloc", False))
-    settings = {"package": PEER_PACKAGE, "layout": f"{processes}x{threads}",
+                        tcmalloc=not _opt(args, "no_tcmalloc", False),
+                        transcribe_options=decode_options(decode))
+    settings = {"package": PEER_PACKAGE, "layout": f"{processes}x{threads}", "decode": decode,
                 "processes": processes, "cpu_threads": threads, **server.config["models"][0]}
     log(f"peer: starting {PEER_PACKAGE} ({processes} process(es) x {threads} thread(s), "
-        f"{server.compute_type}, batch_size {server.batch_size})")
+        f"{server.compute_type}, batch_size {server.batch_size}, decode settings: {decode})")
     await asyncio.to_thread(server.start, python)
     out: dict[str, Any] = {"settings": settings, "command": shlex.join(server.command(python)),
                            "log": str(server.log_path), "idle_rss": server.peak_rss()}
@@ -294,6 +314,20 @@ async def phase(args: argparse.Namespace, work: Path, clips: list[Clip]) -> dict
     return out
 
 
+RESULT_KEYS = {"defaults": "peer", "service": "peer_matched"}  # the results' key per decode
+
+
+async def phases(args: argparse.Namespace, work: Path, clips: list[Clip]) -> dict[str, Any]:
+    """:func:`phase` once per ``--peer-decode`` setting, one after the other: the results under
+    ``peer`` (its defaults) and ``peer_matched`` (the service's decode settings)."""
+    out = {}
+    for decode in filter(None, _opt(args, "peer_decode", "defaults").split(",")):
+        decode_options(decode)  # a typo fails before the first run, not after it
+    for decode in filter(None, _opt(args, "peer_decode", "defaults").split(",")):
+        out[RESULT_KEYS[decode]] = await phase(args, work, clips, decode)
+    return out
+
+
 def _errors_by_kind(results: list[Result]) -> dict[str, int]:
     kinds: dict[str, int] = {}
     for r in results:
@@ -328,9 +362,9 @@ def main(argv: list[str] | None = None) -> int:
                  "corpus": {"clips": len(clips),
                             "audio_s": round(sum(c.duration_s for c in clips), 3)}},
     }
-    res["peer"] = asyncio.run(phase(args, work, clips))
+    res.update(asyncio.run(phases(args, work, clips)))
     res["meta"]["finished"] = dt.datetime.now(dt.UTC).isoformat(timespec="seconds")
-    texts = res["peer"].pop("texts")
+    texts = {k: res[k].pop("texts") for k in RESULT_KEYS.values() if k in res}
     text = json.dumps(res, indent=1, ensure_ascii=False)
     print(text)
     if args.out:

@@ -43,7 +43,8 @@ def analyse_traffic(res: dict[str, Any], clips: list[Clip], check: Check,
     out["no_language/en"] = _r(auto, en)
     check("no language ÷ language=en, same run", out["no_language/en"], TARGETS["no_language"])
     out["no_language/engine_limit"] = _r(auto, limit)
-    out["service/peer"] = _r(auto, ((res.get("peer") or {}).get("load") or {}).get("throughput_x"))
+    for key in ("peer", "peer_matched"):
+        out[f"service/{key}"] = _r(auto, ((res.get(key) or {}).get("load") or {}).get("throughput_x"))
     b1 = (eng.get("batch1") or {}).get("throughput_x")
     full = (eng.get("full_axis") or {}).get("throughput_x")
     out["engine_limit/batch1"] = _r(limit, b1)
@@ -86,6 +87,10 @@ def analyse_traffic(res: dict[str, Any], clips: list[Clip], check: Check,
     return out
 
 
+PEER_DECODES = {"peer": "its defaults (beam 5, no VAD)",
+                "peer_matched": "the service's decode settings (beam 1, no timestamps, VAD)"}
+
+
 def _x(v: float | None) -> str:
     return "–" if v is None else f"{v:.1f}x" if v >= 10 else f"{v:.3f}x"
 
@@ -110,13 +115,14 @@ def traffic_rows(res: dict[str, Any]) -> list[str]:
                      f"{_x(t.get('no_language/en'))} of language=en ({_x(load_en.get('throughput_x'))}) "
                      f"| ≥ {TARGETS['no_language']}x | "
                      f"{_ok(checks, 'no language ÷ language=en, same run')} |")
-    peer = (res.get("peer") or {}).get("load")
-    if peer and load:
-        p = res["peer"]
-        lines.append(f"| peer: {p['settings']['package']} (its own venv), {peer.get('clients')} "
-                     f"clients, no language, its defaults (beam 5, no VAD), "
-                     f"{p['settings']['layout']} processes x threads | {_x(peer.get('throughput_x'))}"
-                     f" | service (no language) ÷ peer {_x(t.get('service/peer'))} | | context |")
+    for key, decode in PEER_DECODES.items():
+        peer = (res.get(key) or {}).get("load")
+        if peer and load:
+            p = res[key]
+            lines.append(f"| peer: {p['settings']['package']} (its own venv), {peer.get('clients')} "
+                         f"clients, no language, {decode}, {p['settings']['layout']} processes x "
+                         f"threads | {_x(peer.get('throughput_x'))} | service (no language) ÷ "
+                         f"peer {_x(t.get(f'service/{key}'))} | | context |")
     if eng.get("batch1"):
         lines.append(f"| engine, same config and windows, **batch 1** (what cross-request batching "
                      f"buys: limit ÷ this {_x(t.get('engine_limit/batch1'))}, service ÷ this "
@@ -153,15 +159,16 @@ def latency_rows(res: dict[str, Any]) -> list[str]:
                      f"upload kept in flight), no language | {lat.get('n')} | {lat.get('p50_s')} s | "
                      f"{lat.get('p95_s')} s | p95 {_x(t.get('long_p95/idle_p95'))} idle (≤ 3x) "
                      f"{_ok(checks, 'short p95 from a 20-min upload' + chr(39) + 's POST ÷ idle p95')} |")
-    peer = (res.get("peer") or {}).get("load")
-    if peer and load:
-        p = res["peer"]
-        lines.append(f"| peer, {peer.get('clients')} clients, no language ({peer.get('requests_failed')}"
-                     f" failed; WER over the {p['wer'].get('clips_transcribed')} clips it finished "
-                     f"{p['wer'].get('all', {}).get('wer_percent')} %, peak RSS "
-                     f"{p.get('peak_rss_mb')} MB over its processes) | "
-                     f"{peer['latency_short'].get('n', '–')} | {peer['latency_short'].get('p50_s')} s | "
-                     f"{peer['latency_short'].get('p95_s')} s | |")
+    for key, decode in PEER_DECODES.items():
+        peer = (res.get(key) or {}).get("load")
+        if peer and load:
+            p, lat = res[key], peer["latency_short"]
+            lines.append(f"| peer, {decode.split(' (')[0]}, {peer.get('clients')} clients, no "
+                         f"language ({peer.get('requests_failed')} failed; WER over the "
+                         f"{p['wer'].get('clips_transcribed')} clips it finished "
+                         f"{p['wer'].get('all', {}).get('wer_percent')} %, peak RSS "
+                         f"{p.get('peak_rss_mb')} MB over its processes) | {lat.get('n', '–')} | "
+                         f"{lat.get('p50_s')} s | {lat.get('p95_s')} s | |")
     return lines
 
 
