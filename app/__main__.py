@@ -100,6 +100,7 @@ def main() -> int:
         # Open requests get the grace plus a second: the drain (same grace) answers the last
         # ?wait=true requests at its end. Never None: 0 must not mean "wait forever".
         timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s) + 1,
+        timeout_keep_alive=settings.keep_alive_s,  # (uvicorn's default of 5 s raced clients)
         ws=WebSockets,
     )
     GracefulServer(config, app).run()

@@ -55,12 +55,14 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 _cpu: dict[str, float] = {}
 _cpu_tests: dict[str, float] = {}
+_wall_tests: dict[str, tuple[float, float]] = {}
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
     """With ``BATCHSCRIBE_TEST_CPU_PROFILE=<dir>``: CPU seconds per test file (this process and
-    the child processes it waited for: servers, CLIs), one JSON file per pytest worker. The
+    the child processes it waited for: servers, CLIs), one JSON file per pytest worker, and each
+    test's wall-clock span (``<worker>-wall.json``: where a worker waited or ran alone). The
     suite is CPU-bound on 2 cores under three workers, so its wall time follows this sum."""
     if not os.environ.get("BATCHSCRIBE_TEST_CPU_PROFILE"):
         yield
@@ -71,8 +73,9 @@ def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None) -> 
         a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime + _live_children_cpu()
 
-    before = used()
+    before, began = used(), time.time()
     yield
+    _wall_tests[item.nodeid] = (round(began, 3), round(time.time(), 3))
     name = item.module.__name__ if isinstance(item, pytest.Function) else "?"
     spent = used() - before
     _cpu[name] = _cpu.get(name, 0.0) + spent
@@ -112,6 +115,7 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
         Path(out).mkdir(parents=True, exist_ok=True)
         (Path(out) / f"{worker}.json").write_text(json.dumps(_cpu, indent=1))
         (Path(out) / f"{worker}-tests.json").write_text(json.dumps(_cpu_tests, indent=1))
+        (Path(out) / f"{worker}-wall.json").write_text(json.dumps(_wall_tests, indent=1))
 
 
 def need(ok: object, reason: str) -> None:

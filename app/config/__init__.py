@@ -96,6 +96,14 @@ class Settings(BaseSettings):
     shutdown_grace_s: float = Field(
         25.0, ge=0, le=3600, description="SIGTERM: time to finish the batch in flight."
     )
+    keep_alive_s: int = Field(
+        75, ge=1, le=3600,
+        description="An idle HTTP connection is closed after this. Longer than the pools of "
+        "common clients (aiohttp keeps one 15 s, httpx 5 s), so the client closes first: with "
+        "uvicorn's 5 s, an aiohttp client that POSTed after ~5 s idle raced the server's close and "
+        "failed 'Can not write request body' (2 of 20 tries at 4.98-5.02 s idle). nginx's "
+        "default is the same 75 s.",
+    )
     model: ModelSettings = ModelSettings()
     prep: PrepSettings = PrepSettings()
     speakers: SpeakerSettings = SpeakerSettings()
