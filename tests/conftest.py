@@ -34,15 +34,16 @@ ROOT = Path(__file__).resolve().parents[1]
 CORPUS = Path(os.environ.get("BATCHSCRIBE_CORPUS", ROOT.parent / "shared" / "corpus"))
 
 
-# Test files by their time under three pytest workers (timeline at 5144075: 263 s for the first,
-# 62 s for the last), collected first, longest first: xdist's --dist
+# Test files by their wall time under three pytest workers (the profile's wall spans at 488aa19:
+# 170 s for the first, ~45 s for the last), collected first, longest first: xdist's --dist
 # loadfile hands files out in collection order (scripts/test turns its reordering off), so the
-# run does not end waiting on a heavy file started late. (test_vad moved down: its two
-# pyannote-importing children became one, ~50 -> ~33 CPU-s.)
+# run does not end waiting on a heavy file started late (there the three workers ended within
+# 28 s of each other).
 HEAVY_FIRST = ("test_ray_model", "test_dataset_model", "test_gpu_service", "test_unsure",
-               "test_crash", "test_postgres", "test_accuracy", "test_decode_cap",
-               "test_default_beam", "test_language", "test_vad", "test_openai_stream",
-               "test_schemathesis", "test_prometheus")
+               "test_decode_cap", "test_accuracy", "test_parts_model", "test_postgres",
+               "test_language", "test_crash", "test_default_beam", "test_stages",
+               "test_openai_stream", "test_prep_procs", "test_live_model", "test_schemathesis",
+               "test_diarize_devset", "test_speakers", "test_vad", "test_prometheus")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -1,9 +1,11 @@
 """``batchscribe dataset`` end to end: the real CLI process, real services on the real model.
 
-* ../shared/corpus as a NeMo manifest (its 80 clips of at most 30 s: the three recordings of
-  53-60 s, a quarter of its audio, go through this same dataset mode over HTTP in
-  tests/test_ray_model.py): a complete output manifest, per-utterance WER equal to the
-  project's scorer, the summary's WER equal to the corpus-level WER of the output.
+* ../shared/corpus as a NeMo manifest (every other one of its 80 clips of at most 30 s, each
+  set still in it: what is checked is the client's bookkeeping, not the model's accuracy, and
+  the other 40 cost ~20 CPU-s of every suite run; the three recordings of 53-60 s go through
+  this same dataset mode over HTTP in tests/test_ray_model.py): a complete output manifest,
+  per-utterance WER equal to the project's scorer, the summary's WER equal to the
+  corpus-level WER of the output.
 * The client killed (SIGKILL) halfway, then ``--resume``: every row once in the output, and the
   service made one job per row (none transcribed twice).
 * The service killed (kill -9) halfway and restarted: the client carries on and completes.
@@ -87,7 +89,9 @@ def submitted_jobs(out: Path) -> list[str]:
 
 
 def test_corpus_manifest_through_the_service(clips: list[Clip], server: Server, tmp_path: Path) -> None:
-    clips = [c for c in clips if c.duration_s <= 30]
+    clips_all = clips
+    clips = [c for c in clips if c.duration_s <= 30][1::2]
+    assert {c.set for c in clips} == {c.set for c in clips_all if c.duration_s <= 30}
     out = tmp_path / "corpus.pred.jsonl"
     p = run_client(dataset_cmd(nemo_manifest(clips, tmp_path / "corpus.jsonl"), out, [server]))
     assert p.returncode == 0, p.stderr
@@ -103,7 +107,7 @@ def test_corpus_manifest_through_the_service(clips: list[Clip], server: Server, 
     s = json.loads((tmp_path / "corpus.pred.summary.json").read_text())
     scored = [r for r in rows if "wer" in r]
     [total] = s["scores"]
-    assert total["metric"] == "wer" and total["utterances"] == len(scored) >= 80
+    assert total["metric"] == "wer" and total["utterances"] == len(scored) >= 38
     assert total["percent"] == round(100 * wer([r["text"] for r in scored],
                                                [r["pred_text"] for r in scored]), 3)
     assert s["done"] == len(clips) and s["failed"] == 0 and s["this_run"]["x_realtime"] > 1
