@@ -220,6 +220,24 @@ async def step(svc: Service, files: list[Path], ref: dict[str, Any], clips: list
     return out
 
 
+def one_repeats(svc: Service, tree: Path, upload: Path, n: int) -> dict[str, Any]:
+    """One core's prep of ``upload`` and the service's one-upload step, ``n`` times in turn (so
+    the host's drift falls on both alike): each pair's walls and ratio, and the ratios' spread.
+    The one-upload ratio is a ~1 s job's: 0.25-0.3 s of it is fixed cost (body, probe, parts
+    starting, the first chunk), and on a shared 2-core host identical posts ran 1.13-1.45 s."""
+    pairs = []
+    for _ in range(n):
+        core = ceiling(tree, [upload], 1)
+        one = asyncio.run(step(svc, [upload], core, [], 0))
+        pairs.append({"one_core_wall_s": core["wall_s"], "one_wall_s": one["wall_s"],
+                      "first_window_s": one["first_window_s"], "vs_core": one["vs_ceiling"],
+                      "from_first_window_vs_core": round(
+                          core["wall_s"] / max(1e-6, one["wall_s"] - one["first_window_s"]), 3)})
+    ratios = sorted(p["vs_core"] for p in pairs)
+    return {"pairs": pairs, "vs_core": {"min": ratios[0], "median": ratios[len(ratios) // 2],
+                                        "max": ratios[-1]}}
+
+
 def save(report: dict[str, Any], path: Path) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(report, indent=1) + "\n")
@@ -237,6 +255,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batch", type=int, default=128, help="the batch cap (the H200's sizing)")
     ap.add_argument("--engine-workers", type=int, default=2)
     ap.add_argument("--procs", type=int, default=cpu_count(), help="ceiling: prep processes")
+    ap.add_argument("--steps", default="many,mixed,one,one_long",
+                    help="which service steps to run (one_long needs --long-minutes)")
+    ap.add_argument("--one-repeats", type=int, default=1,
+                    help="run one core's prep and the one-upload step this many times, in turn")
     ap.add_argument("--work", type=Path, default=Path("/tmp/batchscribe-feed"))
     ap.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results" / "feed.json")
     args = ap.parse_args(argv)
@@ -251,38 +273,43 @@ def main(argv: list[str] | None = None) -> int:
         "formats": {}}
     clips = load_corpus()
     shorts = [c for c in clips if c.duration_s <= SHORT_CLIP_S]
+    steps = set(args.steps.split(","))
+    assert steps <= {"many", "mixed", "one", "one_long"}, steps
+    report["steps"], report["one_repeats"] = sorted(steps), args.one_repeats
     for fmt in args.formats.split(","):
         assert fmt in FORMATS, fmt
         files = uploads(clips, args.work / "audio", args.uploads, args.minutes, fmt)
         long = (uploads(clips, args.work / "audio", 1, args.long_minutes, fmt)
-                if args.long_minutes else [])
+                if args.long_minutes and "one_long" in steps else [])
         res: dict[str, Any] = {}
         report["formats"][fmt] = res
         for name, tree in trees.items():
-            r = res[name] = {"ceiling": ceiling(tree, files, args.procs),
-                             "one_core": ceiling(tree, files[:1], 1)}
+            r = res[name] = {"one_core": ceiling(tree, files[:1], 1)}
+            if steps & {"many", "mixed"}:
+                r["ceiling"] = ceiling(tree, files, args.procs)
             if long:
                 r["one_long_core"] = ceiling(tree, long, 1)
             save(report, args.out)
             svc = Service(tree, args.work, args.batch, args.engine_workers)
             try:
-                r["many"] = asyncio.run(step(svc, files, r["ceiling"], shorts, 0))
-                save(report, args.out)
-                r["mixed"] = asyncio.run(step(svc, files, r["ceiling"], shorts, args.clients))
-                save(report, args.out)
-                r["one"] = asyncio.run(step(svc, files[:1], r["one_core"], shorts, 0))
-                if long:
+                for k in ("many", "mixed"):
+                    if k in steps:
+                        r[k] = asyncio.run(step(svc, files, r["ceiling"], shorts,
+                                                args.clients if k == "mixed" else 0))
+                        save(report, args.out)
+                if "one" in steps:
+                    r["one"] = asyncio.run(step(svc, files[:1], r["one_core"], shorts, 0))
+                    if args.one_repeats > 1:
+                        r["one_repeats"] = one_repeats(svc, tree, files[0], args.one_repeats)
                     save(report, args.out)
+                if long:
                     r["one_long"] = asyncio.run(step(svc, long, r["one_long_core"], shorts, 0))
             finally:
                 svc.stop()
             save(report, args.out)
-            print(f"{fmt} {name}: many {r['many']['vs_ceiling']}x of the ceiling "
-                  f"({r['many']['cpu_vs_ceiling']}x per CPU s), mixed "
-                  f"{r['mixed']['long_vs_ceiling']}x, one {r['one']['vs_ceiling']}x of one core"
-                  + (f", one of {args.long_minutes:g} min {r['one_long']['vs_ceiling']}x"
-                     if long else ""),
-                  flush=True)
+            print(f"{fmt} {name}: " + ", ".join(
+                f"{k} {r[k]['long_vs_ceiling' if k == 'mixed' else 'vs_ceiling']}x"
+                for k in ("many", "mixed", "one", "one_long") if k in r), flush=True)
     print(f"feed: wrote {args.out}")
     return 0
 

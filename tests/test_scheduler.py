@@ -88,11 +88,18 @@ def test_a_short_request_beside_running_work_gets_a_batch_of_its_own() -> None:
     assert got.items == (short,) and not got.bulk
 
 
-def test_a_lone_request_waits_max_wait_ms_for_company_in_one_stage() -> None:
-    lone = item("j", at=NOW)
-    assert pick(snap([lone], staged=False, max_wait_ms=50), NOW) == Wait(NOW + 0.05)
-    assert take(pick(snap([lone], staged=False, max_wait_ms=50), NOW + 0.05)).items == (lone,)
-    assert take(pick(snap([lone]), NOW)).stage == "encode"  # two stages: encoding need not wait
+def test_a_request_waits_max_wait_ms_for_company_in_one_stage_only_beside_others() -> None:
+    mine, other = item("j", at=NOW), item("k", at=NOW - 0.5)
+    # another short request in flight: a load, more are coming; the group waits to fill
+    assert pick(snap([mine], staged=False, max_wait_ms=50, flying=[other]), NOW) == Wait(NOW + 0.05)
+    got = take(pick(snap([mine], staged=False, max_wait_ms=50, flying=[other]), NOW + 0.05))
+    assert got.items == (mine,)
+    # a lone client's request: no company is coming, it goes at once
+    assert take(pick(snap([mine], staged=False, max_wait_ms=50), NOW)).items == (mine,)
+    # two lone requests queued are company for each other: they go together, at once
+    got = take(pick(snap([mine, other], staged=False, max_wait_ms=50), NOW))
+    assert set(got.items) == {mine, other}
+    assert take(pick(snap([mine]), NOW)).stage == "encode"  # two stages: encoding need not wait
 
 
 # ---- urgency -----------------------------------------------------------------------------------

@@ -12,8 +12,8 @@ answered only if still pending, so a cancelled caller's windows cost nothing.
 A batch leaves when a group of compatible windows reaches the cap, or its oldest window has
 waited ``max_wait_ms``, and an engine worker is free. Because batches form only when a worker is
 free, windows pile up while the engine is busy and the next batch is full: under load the
-engine runs full batches; when idle, a lone request waits at most ``max_wait_ms`` (with two
-stages, windows to encode do not wait). Two stages (CPU): a call may instead encode queued
+engine runs full batches; a lone client's short request (no other in the service) and, with two
+stages, windows to encode do not wait. Two stages (CPU): a call may instead encode queued
 windows or decode encoded ones gathered across calls (app/batching/stages.py, pool.py). Urgency
 (live finals first, interim decodes shed), the workers kept free of bulk work, the cost budget
 and the fallback decode run apart from its batch: app/batching/urgency.py and policy.py, with

@@ -15,7 +15,8 @@ In order, on a free worker:
 3. **A window's fallback** (``redo``): a short request's on any worker, a long upload's as
    bulk work.
 4. **Queued windows**: the first ready group (full, due after ``max_wait_ms``, holding a final,
-   or holding windows to encode, which need not wait), in fair order
+   holding windows to encode, which need not wait, or a lone client's short request, whom no
+   company is coming to join), in fair order
    (app/batching/fairness.py), within each job's memory; beside running work, windows of a job
    with nothing in flight (a short request that just arrived) go in a batch of their own, and
    light windows (a short request's, a live one) never share a call with a long upload's.
@@ -167,6 +168,7 @@ def _ready(s: Snapshot, now: float, bulk: bool) -> tuple[list[DecodeOptions], fl
     wait_s = s.settings.max_wait_ms / 1000
     ready: list[tuple[bool, float, DecodeOptions]] = []
     deadline: float | None = None
+    shorts = s.ledger.short + sum(i.job_windows <= s.small for g in s.queued.values() for i in g)
     for key, whole in s.queued.items():
         group = whole if bulk else [i for i in whole if not heavy(i, s.cap)]
         if not group:
@@ -174,11 +176,21 @@ def _ready(s: Snapshot, now: float, bulk: bool) -> tuple[list[DecodeOptions], fl
         oldest = group[0].enqueued
         final = has_final(group)
         if len(group) >= s.limit("run", key) or oldest + wait_s <= now or final \
-                or _to_encode(s, group):
+                or _to_encode(s, group) or _lone(s, group, shorts):
             ready.append((not final, oldest, key))
         elif deadline is None or oldest + wait_s < deadline:
             deadline = oldest + wait_s
     return [key for *_, key in sorted(ready, key=lambda r: r[:2])], deadline
+
+
+def _lone(s: Snapshot, group: Sequence[Item], shorts: int) -> bool:
+    """Short requests' windows with no other short request in the service, queued or in
+    flight: a lone client, whom no company is coming to join (the decoder pool's rule,
+    app/batching/pool.py). Waiting ``max_wait_ms`` for it only added that much to each of its
+    requests (one stage: a GPU, or the stand-in engine of loadtest/feed.py); under a load
+    the others in flight say more are coming, and the group waits to fill."""
+    return shorts <= len(group) and all(
+        i.urgency is Urgency.REQUEST and i.job_windows <= s.small for i in group)
 
 
 def _to_encode(s: Snapshot, items: Sequence[Item]) -> bool:

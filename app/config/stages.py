@@ -158,7 +158,8 @@ class BatcherSettings(BaseModel):
     max_wait_ms: int = Field(
         50, ge=0, le=60_000, description="Oldest window waits at most this long for a fuller batch. "
         "Two stages: only windows run in one call wait (an encoder batch costs the same per "
-        "window at any size).",
+        "window at any size). A lone client's short request (no other in the service) does not "
+        "wait: no company is coming.",
     )
     split_stages: bool = Field(
         True,
