@@ -12,7 +12,7 @@ four, and:
   must read the stored answers; any difference recomputes everything and stores it again;
 * any other run (a new peer version, model, clip or CPU) computes everything and stores it.
 
-Each file keeps one entry per CPU model (``entries``), so hosts of two kinds (say the
+Each file keeps one entry per CPU (``entries``, :func:`cpu_key`), so hosts of two kinds (say the
 developers' machines and CI's) both find theirs; an entry for other versions, another model or
 other clips is dropped when its host stores again. The service's side is always computed in
 full; only the peer's side is kept. Delete the folder to recompute every reference.
@@ -51,6 +51,30 @@ def cpu_model() -> str:
     return platform.processor() or platform.machine()
 
 
+ISA = ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512vl", "avx512_vnni", "avx_vnni",
+       "avx512_bf16", "amx_int8")
+
+
+def cpu_key() -> str:
+    """The CPU as its int8 kernels see it: the model name, its family, model and stepping, and
+    the vector extensions CTranslate2 and torch dispatch on. The model name alone was too
+    coarse: two "AMD EPYC" hosts (family 25 without AVX-512, and another) read 6 of 31 clips
+    differently through whisperx, so a run on one recomputed the other's entry every time."""
+    fields: dict[str, str] = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            k, _, v = line.partition(":")
+            k = k.strip()
+            if k in ("cpu family", "model", "stepping", "flags") and k not in fields:
+                fields[k] = v.strip()
+    except OSError:
+        return cpu_model()
+    flags = set(fields.get("flags", "").split())
+    isa = " ".join(f for f in ISA if f in flags)
+    return (f"{cpu_model()} (family {fields.get('cpu family', '?')} model "
+            f"{fields.get('model', '?')} stepping {fields.get('stepping', '?')}; {isa})")
+
+
 def spread(n: int, k: int) -> list[int]:
     """``k`` indices spread evenly over ``range(n)`` (all of them when ``n <= k``)."""
     if n <= k:
@@ -63,12 +87,16 @@ def peer_reference(name: str, items: Sequence[tuple[str, Path]],
                    model_dir: Path, spot: int = 4) -> list[Any]:
     """The peer's answer for each ``(id, path)`` item, in order (see the module doc).
     ``compute(paths)`` runs the peer on paths and returns one JSON-able answer per path."""
-    key = {"versions": versions, "model": digest(model_dir / "manifest.json"), "cpu": cpu_model(),
+    key = {"versions": versions, "model": digest(model_dir / "manifest.json"), "cpu": cpu_key(),
            "items": {i: digest(p) for i, p in items}}
     path = FOLDER / f"{name}.json"
     stored: dict[str, Any] = json.loads(path.read_text()) if path.is_file() else {}
     entries: list[dict[str, Any]] = stored.get("entries", [stored] if "key" in stored else [])
-    mine = next((e for e in entries if e["key"] == key), None)
+    # this CPU's entry, else one stored under its model name alone (before cpu_key): checked
+    # by the same spot sample, so a host of another generation recomputes and stores its own
+    legacy = {**key, "cpu": cpu_model()}
+    mine = next((e for e in entries if e["key"] == key), None) \
+        or next((e for e in entries if e["key"] == legacy), None)
     if mine is not None:
         answers = mine["answers"]
         picked = spread(len(items), spot)

@@ -64,7 +64,7 @@ def test_each_cpu_keeps_its_own_entry(setup, monkeypatch: pytest.MonkeyPatch) ->
     items, model = setup
     calls: list[tuple[str, int]] = []
     cpu = {"now": "cpu-a"}
-    monkeypatch.setattr(refs, "cpu_model", lambda: cpu["now"])
+    monkeypatch.setattr(refs, "cpu_key", lambda: cpu["now"])
 
     def peer(paths: list[Path]) -> list[str]:
         calls.append((cpu["now"], len(paths)))
@@ -83,3 +83,32 @@ def test_each_cpu_keeps_its_own_entry(setup, monkeypatch: pytest.MonkeyPatch) ->
     stored = json.loads((refs.FOLDER / "p.json").read_text())["entries"]
     assert [(e["key"]["cpu"], e["key"]["versions"]) for e in stored] == [
         ("cpu-a", {"peer": "2"}), ("cpu-b", {"peer": "2"})]
+
+
+def test_an_entry_stored_under_the_model_name_alone_is_found_and_kept(
+        setup: tuple[list[tuple[str, Path]], Path], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Entries stored before :func:`refs.cpu_key` carry the CPU's model name alone: a host of
+    that name checks its spot sample against them; one that reads otherwise stores its own."""
+    items, model = setup
+    host = {"key": "EPYC (zen2)", "reads": "zen2"}
+    monkeypatch.setattr(refs, "cpu_model", lambda: "EPYC")
+    monkeypatch.setattr(refs, "cpu_key", lambda: host["key"])
+    calls: list[tuple[str, int]] = []
+
+    def peer(paths: list[Path]) -> list[str]:
+        calls.append((host["key"], len(paths)))
+        return [f"{host['reads']}-{p.stem}" for p in paths]
+
+    monkeypatch.setattr(refs, "cpu_key", lambda: "EPYC")  # an old run: the name alone
+    refs.peer_reference("p", items, peer, {"peer": "1"}, model, spot=3)
+    monkeypatch.setattr(refs, "cpu_key", lambda: host["key"])
+    got = refs.peer_reference("p", items, peer, {"peer": "1"}, model, spot=3)  # same reads
+    assert got == [f"zen2-clip{k}" for k in range(10)] and calls[-1] == ("EPYC (zen2)", 3)
+    host.update(key="EPYC (zen3)", reads="zen3")  # another generation reads otherwise
+    got = refs.peer_reference("p", items, peer, {"peer": "1"}, model, spot=3)
+    assert got == [f"zen3-clip{k}" for k in range(10)] and calls[-2:] == [
+        ("EPYC (zen3)", 3), ("EPYC (zen3)", 10)]
+    stored = json.loads((refs.FOLDER / "p.json").read_text())["entries"]
+    assert [e["key"]["cpu"] for e in stored] == ["EPYC", "EPYC (zen3)"]
+    assert refs.peer_reference("p", items, peer, {"peer": "1"}, model, spot=3) == got
+    assert calls[-1] == ("EPYC (zen3)", 3)  # its own entry now
