@@ -79,7 +79,8 @@ def ceiling(tree: Path, files: list[Path], procs: int) -> dict[str, Any]:
 
 
 class Service:
-    def __init__(self, tree: Path, work: Path, batch: int, workers: int) -> None:
+    def __init__(self, tree: Path, work: Path, batch: int, workers: int,
+                 env: dict[str, str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         data = work / f"svc-{tree.name}-{self.port}"
@@ -93,6 +94,7 @@ class Service:
             "BATCHSCRIBE_LIMITS__MAX_UPLOAD_BYTES": str(2**30),  # 20 min at 48 kHz stereo: 230 MB
             "BATCHSCRIBE_LIMITS__MAX_TRANSFERS_PER_KEY": "1000",
             "BATCHSCRIBE_LIMITS__SYNC_TIMEOUT_S": "3600",
+            **(env or {}),
         })
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
