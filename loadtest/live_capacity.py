@@ -24,20 +24,28 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from loadtest.feed import Service, base_tree
 from loadtest.lib.common import ROOT, machine_info
-from loadtest.lib.live_common import build_stream, live_clips
+from loadtest.lib.live_common import Stream, build_stream, live_clips
 from loadtest.live import run_sessions, session_config
 
 SR = 16_000
 
 
-async def one(svc: Service, n: int, seconds: float, drain_s: float, seed: int,
-              cache: dict[str, Any]) -> dict[str, Any]:
-    clips = live_clips()
-    streams = [build_stream(clips, seconds, seed + k, cache=cache) for k in range(n)]
+class Measured(Protocol):
+    """What :func:`one` needs of the service: its URL and its CPU seconds so far."""
+
+    url: str
+
+    def cpu_s(self) -> dict[str, float]: ...
+
+
+async def one(svc: Measured, streams: list[Stream], drain_s: float) -> dict[str, Any]:
+    """The ``streams`` as live sessions at once: the service's CPU over them and per second of
+    their audio (the drain included: the service reads it too), turn latency and finals."""
+    n = len(streams)
     audio_s = sum(s.audio.size / SR + drain_s for s in streams)
     ws_url = svc.url.replace("http", "ws", 1) + "/v1/realtime?intent=transcription"
     load = [round(x, 2) for x in os.getloadavg()]
@@ -81,13 +89,16 @@ def main(argv: list[str] | None = None) -> int:
             argv if argv is not None else sys.argv[1:]),
         "machine": machine_info(), "base_commit": args.base, "trees": {}}
     cache: dict[str, Any] = {}
+    clips = live_clips()
     for name, tree in trees.items():
         rows: list[dict[str, Any]] = []
         report["trees"][name] = rows
         svc = Service(tree, args.work, 32, 2, env)
         try:
             for n in ns:
-                rows.append(asyncio.run(one(svc, n, args.seconds, args.drain, args.seed, cache)))
+                streams = [build_stream(clips, args.seconds, args.seed + k, cache=cache)
+                           for k in range(n)]
+                rows.append(asyncio.run(one(svc, streams, args.drain)))
                 args.out.parent.mkdir(parents=True, exist_ok=True)
                 args.out.write_text(json.dumps(report, indent=1) + "\n")
                 print(json.dumps({"tree": name, **rows[-1]}), flush=True)

@@ -282,3 +282,30 @@ def test_runs_of_the_live_bench_pool_their_turn_latencies() -> None:
     assert list(got) == [16]
     assert got[16]["n"] == 3 and got[16]["max_s"] == 2.0 and got[16]["p50_s"] == 1.0
     assert got[16]["runs"] == 2
+
+
+async def test_the_capacity_bench_counts_the_services_cpu_per_second_of_session_audio(
+        fake_service: str) -> None:
+    """loadtest/live_capacity.py's row: the sessions' outcome as the live bench scores it, and
+    the service's CPU over them per second of the audio sent (speech, pauses and the drain)."""
+    from loadtest.live_capacity import one
+
+    class Measured:
+        url = fake_service.replace("ws://", "http://", 1).removesuffix("/v1")
+
+        def __init__(self) -> None:
+            self.readings = iter([{"service": 10.0, "children": 1.0},
+                                  {"service": 12.5, "children": 1.0}])
+
+        def cpu_s(self) -> dict[str, float]:
+            return next(self.readings)
+
+    streams = [stream(4.5, 2.0), stream(2.5)]
+    row = await one(Measured(), streams, 1.0)
+    audio_s = sum(s.audio.size / 16_000 + 1.0 for s in streams)
+    assert row["streams"] == 2 and row["session_audio_s"] == round(audio_s, 1)
+    assert row["service_cpu_s"] == 2.5 and row["prep_processes_cpu_s"] == 0.0
+    assert row["service_cpu_ms_per_audio_s"] == round(2500 / audio_s, 2)
+    assert row["wall_s"] > 0 and abs(row["service_cores"] - 2.5 / row["wall_s"]) < 0.01
+    assert row["utterances"] == 3 and row["turn_latency"]["n"] == 3
+    assert row["never_finalised"] == row["not_heard"] == row["errors"] == 0
