@@ -95,16 +95,24 @@ def main() -> int:
             "serving without API keys on %s (BATCHSCRIBE_SECURITY__ALLOW_ANONYMOUS=true): every "
             "client can read and cancel every job", settings.host)
     app = create_app(settings)
-    config = uvicorn.Config(
-        app, host=settings.host, port=settings.port, log_config=None,
+    GracefulServer(server_config(app, settings), app).run()
+    return 0
+
+
+def server_config(app: Any, settings: Settings, **overrides: Any) -> uvicorn.Config:
+    """uvicorn as the service runs it; the in-process test servers and the feed benches serve
+    the app through this too, so they meet the same protocol and limits (``overrides``: their
+    port, log level, lifespan)."""
+    kw: dict[str, Any] = {
+        "host": settings.host, "port": settings.port, "log_config": None,
         # Open requests get the grace plus a second: the drain (same grace) answers the last
         # ?wait=true requests at its end. Never None: 0 must not mean "wait forever".
-        timeout_graceful_shutdown=math.ceil(settings.shutdown_grace_s) + 1,
-        timeout_keep_alive=settings.keep_alive_s,  # (uvicorn's default of 5 s raced clients)
-        ws=WebSockets,
-    )
-    GracefulServer(config, app).run()
-    return 0
+        "timeout_graceful_shutdown": math.ceil(settings.shutdown_grace_s) + 1,
+        "timeout_keep_alive": settings.keep_alive_s,  # (uvicorn's default of 5 s raced clients)
+        "ws": WebSockets,
+        "ws_per_message_deflate": settings.live.per_message_deflate,
+    }
+    return uvicorn.Config(app, **{**kw, **overrides})
 
 
 if __name__ == "__main__":

@@ -36,10 +36,13 @@ def fake_settings(tmp: Path, **kw: Any) -> Settings:
 
 
 @contextmanager
-def serve(app: Any) -> Iterator[str]:
-    """Serve ``app`` (lifespan included) with uvicorn on a free port in a thread; its URL."""
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=free_port(),
-                                           log_config=None, lifespan="on"))
+def serve(app: Any, settings: Settings | None = None) -> Iterator[str]:
+    """Serve ``app`` (lifespan included) with uvicorn on a free port in a thread, configured as
+    ``python -m app`` configures it for ``settings`` (None: the defaults); its URL."""
+    from app.__main__ import server_config
+
+    server = uvicorn.Server(server_config(app, settings or Settings.model_construct(),
+                                          host="127.0.0.1", port=free_port(), lifespan="on"))
     thread = threading.Thread(target=server.run, name="uvicorn", daemon=True)
     thread.start()
     while not server.started:
@@ -61,7 +64,8 @@ def fake_service(tmp: Path, engine: Engine | None = None, **settings: Any) -> It
     from tests.fakes import FakeEngine
 
     fake = engine or FakeEngine()
-    with serve(create_app(fake_settings(tmp, **settings), engine_factory=lambda s: fake)) as url:
+    config = fake_settings(tmp, **settings)
+    with serve(create_app(config, engine_factory=lambda s: fake), config) as url:
         yield url
 
 

@@ -262,3 +262,23 @@ def test_live_settings_have_defaults(tmp_path: Path) -> None:
     s = fake_settings(tmp_path)
     assert s.live.max_sessions >= 1 and s.live.max_sessions_per_key >= 1
     assert s.live.idle_timeout_s > 0 and s.live.max_session_s > 0 and s.live.max_buffer_s > 0
+
+
+async def test_a_deflate_offer_is_declined_unless_the_operator_accepts_it(
+        url: str, tmp_path: Path) -> None:
+    """websockets' client offers permessage-deflate (as the OpenAI SDK's does); the service
+    declines it by default (``live.per_message_deflate``: inflating every append cost the event
+    loop ~12 %), and serves the session uncompressed. Accepting it is uvicorn's own setting,
+    which the service's config sets from ``live.per_message_deflate``."""
+    from app.__main__ import server_config
+
+    auth = {"Authorization": f"Bearer {KEY}"}
+    await asyncio.to_thread(wait_released, url)
+    async with connect(ws_url(url), additional_headers=auth) as ws:
+        assert ws.request is not None and "permessage-deflate" in \
+            ws.request.headers.get("Sec-WebSocket-Extensions", "")  # offered
+        assert ws.protocol.extensions == []  # declined
+        await until(ws, "session.created")
+    on = fake_settings(tmp_path, live={"per_message_deflate": True})
+    assert server_config(None, on).ws_per_message_deflate is True
+    assert server_config(None, fake_settings(tmp_path)).ws_per_message_deflate is False

@@ -26,6 +26,7 @@ from typing import Any
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
+    from app.__main__ import server_config
     from app.config import Settings
     from app.engine import EngineInfo
     from app.main import create_app, setup_logging
@@ -71,7 +72,8 @@ def serve(args: argparse.Namespace) -> None:
         def close(self) -> None:
             pass
 
-    app = create_app(Settings(), engine_factory=Instant)
+    settings = Settings()
+    app = create_app(settings, engine_factory=Instant)
 
     @app.get("/feed-stats")
     def feed_stats(reset_after: int = 0) -> dict[str, Any]:
@@ -81,7 +83,9 @@ def serve(args: argparse.Namespace) -> None:
                 reset()
         return out
 
-    uvicorn.run(app, host="127.0.0.1", port=args.port, log_level="warning", log_config=None)
+    # uvicorn as `python -m app` runs it (its WebSocket protocol and settings)
+    uvicorn.Server(server_config(app, settings, host="127.0.0.1", port=args.port,
+                                 log_level="warning")).run()
 
 
 def _worker(ready: Any, start: Any, todo: Any, done: Any) -> None:
