@@ -26,7 +26,6 @@ from typing import Any
 def serve(args: argparse.Namespace) -> None:
     import uvicorn
 
-    from app.__main__ import server_config
     from app.config import Settings
     from app.engine import EngineInfo
     from app.main import create_app, setup_logging
@@ -83,9 +82,13 @@ def serve(args: argparse.Namespace) -> None:
                 reset()
         return out
 
-    # uvicorn as `python -m app` runs it (its WebSocket protocol and settings)
-    uvicorn.Server(server_config(app, settings, host="127.0.0.1", port=args.port,
-                                 log_level="warning")).run()
+    here = {"host": "127.0.0.1", "port": args.port, "log_level": "warning"}
+    try:  # uvicorn as `python -m app` runs it (its WebSocket protocol and settings)
+        from app.__main__ import server_config
+    except ImportError:  # a tree from before 64a16d2 (a --base): uvicorn's defaults, as then
+        uvicorn.run(app, log_config=None, **here)
+        return
+    uvicorn.Server(server_config(app, settings, **here)).run()
 
 
 def _worker(ready: Any, start: Any, todo: Any, done: Any) -> None:
