@@ -7,6 +7,7 @@ from __future__ import annotations
 import base64
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -309,3 +310,19 @@ async def test_the_capacity_bench_counts_the_services_cpu_per_second_of_session_
     assert row["wall_s"] > 0 and abs(row["service_cores"] - 2.5 / row["wall_s"]) < 0.01
     assert row["utterances"] == 3 and row["turn_latency"]["n"] == 3
     assert row["never_finalised"] == row["not_heard"] == row["errors"] == 0
+
+
+def test_the_transport_floor_bench_counts_every_append_both_ways(tmp_path: Path) -> None:
+    """loadtest/ws_floor.py: both servers (deflate declined and accepted, through the service's
+    own uvicorn config) take every append sent, and the report has the server's CPU per one."""
+    from loadtest import ws_floor
+
+    out = tmp_path / "floor.json"
+    assert ws_floor.main(["--clients", "2", "--seconds", "0.5", "--runs", "1",
+                          "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["deflate"] for r in report["runs"]] == [False, True]
+    for r in report["runs"]:
+        assert r["messages"] == 2 * 5 and r["server_cpu_s"] >= 0
+        assert r["us_per_message"] == round(r["server_cpu_s"] / r["messages"] * 1e6, 1)
+    assert report["plain"]["min_us"] == report["runs"][0]["us_per_message"]
