@@ -244,3 +244,39 @@ async def test_appends_are_paced_past_the_burst(tmp_path: Path) -> None:
             took = time.monotonic() - t0
     # A lower bound the pacing guarantees (a loaded machine only makes it longer).
     assert took >= (sent - burst) / speed * 0.95, took
+
+
+async def test_a_read_ends_on_overflow_timeout_or_message_and_leaves_the_task_uncancelled() -> None:
+    """first_of awaits the read in the session's own task: an outbox overflow while it waits
+    ends the read with Overflowed (the cancel taken back), a quiet client with TimeoutError,
+    and a message that came first leaves no cancel behind for later, even when the overflow
+    follows in the same tick."""
+    from app.live.bounds import Overflowed, first_of
+
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None
+
+    async def read(f: asyncio.Future[str] | None = None) -> str:
+        return await (f if f is not None else loop.create_future())  # None: no message comes
+
+    overflow: asyncio.Future[None] = loop.create_future()
+    loop.call_later(0.05, overflow.set_result, None)
+    with pytest.raises(Overflowed):
+        await first_of(read(), overflow, 30.0)
+    assert task.cancelling() == 0
+    with pytest.raises(Overflowed):  # already overflowed: no read at all
+        await first_of(read(), overflow, 30.0)
+
+    quiet: asyncio.Future[None] = loop.create_future()
+    with pytest.raises(TimeoutError):
+        await first_of(read(), quiet, 0.05)
+    assert task.cancelling() == 0
+
+    got: asyncio.Future[str] = loop.create_future()
+    late: asyncio.Future[None] = loop.create_future()
+    loop.call_soon(lambda: (got.set_result("hello"), late.set_result(None)))  # the same tick
+    assert await first_of(read(got), late, 30.0) == "hello"
+    await asyncio.sleep(0.01)  # the overflow's callback has run by now
+    assert task.cancelling() == 0
+    await asyncio.sleep(0)  # still running: no cancel was left for this task

@@ -151,3 +151,32 @@ def test_an_oversized_event_is_refused_unparsed() -> None:
 def test_the_errors_event_id_names_the_client_event() -> None:
     err = parse_client_event('{"type": "input_audio_buffer.clear", "x": 1, "event_id": "c7"}')
     assert isinstance(err, ProtocolError) and err.event_id == "c7"
+
+
+@pytest.mark.parametrize("event", [
+    {"type": "input_audio_buffer.append", "audio": "AAAA"},
+    {"type": "input_audio_buffer.append", "audio": "AAAA", "event_id": "e1"},
+    {"type": "input_audio_buffer.append", "audio": "", "event_id": None},
+    {"type": "input_audio_buffer.append", "audio": 5},
+    {"type": "input_audio_buffer.append", "audio": None},
+    {"type": "input_audio_buffer.append", "audio": "AAAA", "extra": 1},
+    {"type": "input_audio_buffer.append"},
+    {"type": "input_audio_buffer.append", "audio": "AAAA", "event_id": "x" * 257},
+    {"type": "input_audio_buffer.append", "audio": "AAAA", "event_id": 7},
+])
+def test_an_append_parses_as_pydantic_reads_it(event: dict[str, Any]) -> None:
+    """The append's fast path (no pydantic for a plain one) takes what the model takes, as the
+    model would, and leaves every other append to the model's own error."""
+    from pydantic import ValidationError
+
+    from app.live.protocol import Append
+
+    got = parse_client_event(json.dumps(event))
+    try:
+        want: Append | None = Append.model_validate(event)
+    except ValidationError:
+        want = None
+    if want is None:
+        assert isinstance(got, ProtocolError) and got.code is not None
+    else:
+        assert isinstance(got, Append) and got.model_dump() == want.model_dump()

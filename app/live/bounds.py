@@ -25,6 +25,7 @@ overflows.
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import time
 from collections import deque
@@ -133,22 +134,36 @@ class Overflowed(Exception):
 
 
 async def first_of(receive: Awaitable[str | bytes | None], overflow: asyncio.Future[Any],
-                 timeout: float) -> str | bytes | None:
+                   timeout: float) -> str | bytes | None:
     """The client's next message, unless the outbox overflows first (:class:`Overflowed`) or
-    ``timeout`` passes (TimeoutError)."""
-    got = asyncio.ensure_future(receive)
-    try:
-        done, _ = await asyncio.wait({got, overflow}, timeout=timeout,
-                                     return_when=asyncio.FIRST_COMPLETED)
-    except BaseException:
-        got.cancel()
-        raise
-    if got in done:
-        return got.result()
-    got.cancel()
-    if overflow in done:
+    ``timeout`` passes (TimeoutError).
+
+    The read is awaited in the caller's task, which the overflow interrupts (a cancel taken
+    back at once) only while it waits here: a task per message and ``asyncio.wait`` cost
+    ~5 % of the event loop's time at 32 sessions (py-spy), ten messages a second a session."""
+    if overflow.done():
+        if inspect.iscoroutine(receive):
+            receive.close()
         raise Overflowed
-    raise TimeoutError
+    task = asyncio.current_task()
+    assert task is not None
+    waiting = [True]
+
+    def interrupt(_: asyncio.Future[Any]) -> None:
+        if waiting[0]:  # not once the read is back (the callback may run a tick later)
+            task.cancel()
+
+    overflow.add_done_callback(interrupt)
+    try:
+        async with asyncio.timeout(timeout):
+            return await receive
+    except asyncio.CancelledError:
+        if overflow.done() and task.uncancel() == 0:  # our cancel alone: the outbox overflowed
+            raise Overflowed from None
+        raise
+    finally:
+        waiting[0] = False
+        overflow.remove_done_callback(interrupt)
 
 
 async def next_message(receive: Awaitable[str | bytes | None], overflow: asyncio.Future[Any],
