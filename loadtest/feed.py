@@ -45,7 +45,7 @@ import aiohttp
 from loadtest.lib.common import ROOT, cpu_count, free_port, machine_info, wait_up
 from loadtest.lib.corpus import SHORT_CLIP_S, Clip, load_corpus
 from loadtest.lib.feed_audio import FORMATS, uploads
-from loadtest.lib.probes import children_cpu, cpu_seconds
+from loadtest.lib.probes import children_cpu, cpu_seconds, stat_cpu_seconds
 from loadtest.lib.stats import latency_summary
 
 TREE_SCRIPT = ROOT / "loadtest" / "lib" / "feed_tree.py"
@@ -107,9 +107,15 @@ class Service:
             raise RuntimeError(f"service not ready:\n{tail()}")
 
     def cpu_s(self) -> dict[str, float]:
-        """CPU seconds of the service process and of its children (prep processes)."""
-        return {"service": round(cpu_seconds(self.proc.pid), 2),
-                "children": round(children_cpu(self.proc.pid), 2)}
+        """CPU seconds of the service process, of its main thread (the event loop's), and of
+        its children (prep processes)."""
+        pid = self.proc.pid
+        try:
+            loop = stat_cpu_seconds(Path(f"/proc/{pid}/task/{pid}/stat"))
+        except OSError:
+            loop = 0.0
+        return {"service": round(cpu_seconds(pid), 2), "loop": round(loop, 2),
+                "children": round(children_cpu(pid), 2)}
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -59,6 +59,10 @@ async def one(svc: Measured, streams: list[Stream], drain_s: float) -> dict[str,
         "service_cpu_s": cpu, "prep_processes_cpu_s": round(cpu1["children"] - cpu0["children"], 2),
         # the service process's CPU per second of live audio, and the cores it kept busy
         "service_cpu_ms_per_audio_s": round(1000 * cpu / audio_s, 2),
+        # of it, the event loop's thread (the WebSocket, the sessions' steps): what one
+        # process cannot spread over cores
+        "loop_cpu_ms_per_audio_s": round(1000 * (cpu1.get("loop", 0.0) - cpu0.get("loop", 0.0))
+                                         / audio_s, 2),
         "service_cores": round(cpu / wall, 3),
         "turn_latency": r["turn_latency"], "utterances": r["utterances"],
         "never_finalised": r["never_finalised"], "not_heard": r["not_heard"],
