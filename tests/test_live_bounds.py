@@ -275,7 +275,12 @@ async def test_a_read_ends_on_overflow_timeout_or_message_and_leaves_the_task_un
 
     got: asyncio.Future[str] = loop.create_future()
     late: asyncio.Future[None] = loop.create_future()
-    loop.call_soon(lambda: (got.set_result("hello"), late.set_result(None)))  # the same tick
+
+    def both() -> None:  # the message and the overflow in the same tick
+        got.set_result("hello")
+        late.set_result(None)
+
+    loop.call_soon(both)
     assert await first_of(read(got), late, 30.0) == "hello"
     await asyncio.sleep(0.01)  # the overflow's callback has run by now
     assert task.cancelling() == 0
