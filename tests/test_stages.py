@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import pytest
 
@@ -233,6 +234,44 @@ def test_real_engine_two_stages_give_the_single_call_transcripts(
         staged.update({k: r.text for k, r in zip(idx, out, strict=True)})
     assert [staged[k] for k in range(len(windows))] == [r.text for r in alone]
     assert [e.language for e in encoded] == [r.language for r in alone]
+
+
+class EncodeSpy:
+    """CTranslate2's Whisper with each encoder call's batch size recorded."""
+
+    def __init__(self, model: Any) -> None:
+        self.model, self.sizes = model, list[int]()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)
+
+    def encode(self, features: Any, *args: Any, **kwargs: Any) -> Any:
+        self.sizes.append(int(features.shape[0]))
+        return self.model.encode(features, *args, **kwargs)
+
+
+@pytest.mark.model
+def test_real_engine_on_cpu_encodes_each_window_of_a_call_alone(
+        engine: WhisperEngine, clips: list[Clip]) -> None:
+    """A call's windows go through the encoder one at a time and its decoder batch together
+    (app/engine/whisper.py: the encoder's memory grows with its batch, its cost per window
+    does not), and read as each window alone."""
+    vad = SileroVad()
+    read = [c for c in sorted(clips, key=lambda c: c.id) if c.duration_s > 8][:4]
+    windows = [prepare(c.path, vad, 3600)[1][0] for c in read]
+    for w in windows:
+        w.prompt = Prompt(language="en")
+    opts = DecodeOptions()
+    spy = EncodeSpy(engine.model.model)
+    engine.model.model = spy
+    try:
+        together = engine.transcribe_batch(windows, opts)
+        calls = list(spy.sizes)
+        alone = [engine.transcribe_batch([w], opts)[0].text for w in windows]
+    finally:
+        engine.model.model = spy.model
+    assert len(calls) >= len(windows) and set(calls) == {1}, calls
+    assert [r.text for r in together] == alone
 
 
 @pytest.mark.model

@@ -238,7 +238,8 @@ class BatcherSettings(BaseModel):
         100.0, gt=0, le=100_000,
         description="Memory per 30 s window in an engine call (shorter windows cost in "
         "proportion to their padded length in job_memory_mb). CPU, whisper-base int8, measured: "
-        "+81 MB encoding one 30 s window, +189 MB two, ~+50 MB each in a decoder batch of 8-16 "
+        "+81 MB encoding one 30 s window (CPU encodes a call's windows one at a time: two at "
+        "once cost +189 MB), ~+50 MB each in a decoder batch of 8-16 "
         "(`python -m loadtest.sweep` measures a machine's). GPU, unless set: measured by the "
         "warm-up per 30 s window and beam (large-v3's cross-attention cache alone is ~246 MB "
         "per window and beam).",

@@ -48,6 +48,7 @@ class Server:
     port: int = field(default_factory=free_port)
     proc: subprocess.Popen[bytes] | None = None
     argv: list[str] = field(default_factory=lambda: ["-m", "app"])  # after the interpreter
+    cwd: Path = ROOT  # another source tree (a --base commit's) runs its own code
 
     @property
     def url(self) -> str:
@@ -64,7 +65,7 @@ class Server:
                                         "BATCHSCRIBE_STORAGE__DATA_DIR": str(self.data_dir),
                                         **self.env})
         log = self.log_path.open("ab")
-        self.proc = subprocess.Popen([sys.executable, *self.argv], cwd=ROOT, env=env,
+        self.proc = subprocess.Popen([sys.executable, *self.argv], cwd=self.cwd, env=env,
                                      stdout=log, stderr=subprocess.STDOUT)
         log.close()
         if wait_up(self.proc, self.url + "/readyz", timeout, "server", self.log_tail):
@@ -291,8 +292,10 @@ async def all_at_once(client: Client, clips: Sequence[Clip], concurrency: int) -
     return list(await asyncio.gather(*(one(c) for c in clips)))
 
 
-def write_long_wav(clips: Sequence[Clip], path: Path, min_s: float, gap_s: float = 0.8) -> float:
-    """Concatenate decoded corpus clips with silence gaps into one 16 kHz mono wav >= min_s."""
+def write_long_wav(clips: Sequence[Clip], path: Path, min_s: float, gap_s: float = 0.8,
+                   used: list[Clip] | None = None) -> float:
+    """Concatenate decoded corpus clips with silence gaps into one 16 kHz mono wav >= min_s;
+    ``used`` gets the clips in the order written (their references are the file's)."""
     import numpy as np
 
     from app.audio import decode
@@ -301,11 +304,14 @@ def write_long_wav(clips: Sequence[Clip], path: Path, min_s: float, gap_s: float
     gap = np.zeros(int(gap_s * SAMPLE_RATE), np.float32)
     parts: list[np.ndarray] = []
     total = 0
-    decoded = [decode(c.path, 4 * 3600.0) for c in sorted(clips, key=lambda c: c.id)]
+    ordered = sorted(clips, key=lambda c: c.id)
+    decoded = [decode(c.path, 4 * 3600.0) for c in ordered]
     while total < min_s * SAMPLE_RATE:
-        for a in decoded:
+        for c, a in zip(ordered, decoded, strict=True):
             parts += [a, gap]
             total += len(a) + len(gap)
+            if used is not None:
+                used.append(c)
             if total >= min_s * SAMPLE_RATE:
                 break
     return write_wav16(path, np.concatenate(parts), SAMPLE_RATE)
