@@ -122,6 +122,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results" / "long-alone.json")
     args = p.parse_args(argv)
     work = args.work or Path(tempfile.mkdtemp(prefix="long-alone-"))
+    work.mkdir(parents=True, exist_ok=True)
     clips = read_manifest(args.corpus)
     used: list[Clip] = []
     upload = work / f"long-{args.minutes:g}min.wav"
