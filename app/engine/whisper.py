@@ -230,9 +230,9 @@ class WhisperEngine:
         stacked for the decoder: the encoder costs the same per window in a call of one as of
         several (and gives the same values), but its memory grows with the call (+81 MB for
         one 30 s window, +189 MB for two), while what batching buys is in the decoder. On a
-        lone 20-minute upload's windows, 2 workers x 1 thread, calls of 2 windows: 32.9x real
-        time at +411 MB peak encoded together, 34.0x at +274 MB one by one; calls of 4 one by
-        one 37.8x at +353 MB (``python -m loadtest.long_alone``, results/long-alone.json)."""
+        lone 20-minute upload's windows, 2 workers x 1 thread, calls of 2 windows: 30.8-34.7x
+        real time at +430 MB above the loaded model encoded together, 32.1-32.5x at +294 MB
+        one by one (``python -m loadtest.long_alone``, loadtest/results/long-alone.json)."""
         if self._device == "cpu" and len(windows) > 1:
             import ctranslate2
 
