@@ -81,3 +81,25 @@ def test_chunk_buffer_slices_and_trims_by_absolute_position() -> None:
     assert buf.slice(480, 900).tolist() == [4.0] * 20
     buf.clear()
     assert len(buf) == 0 and buf.end == 500 and buf.slice(0, 500).size == 0
+
+
+def test_chunk_buffer_slices_are_views_that_later_appends_never_change() -> None:
+    """A slice is handed to a decode that may still run while the session appends, trims
+    and grows the buffer: what it holds must stay as it was, and no one may write into it."""
+    rng = np.random.default_rng(0)
+    buf, whole = ChunkBuffer(1000), np.zeros(0, dtype=np.float32)
+    kept: list[tuple[int, int, np.ndarray]] = []
+    for k in range(400):  # 100 ms appends, 40 s in all: the array grows and moves many times
+        chunk = rng.standard_normal(1600).astype(np.float32)
+        buf.append(chunk)
+        whole = np.concatenate([whole, chunk])
+        if k % 50 == 49:
+            a, b = buf.end - 16_000 * 3, buf.end
+            kept.append((a, b, buf.slice(a, b)))
+            buf.trim(buf.end - 16_000)  # a turn's start moves on
+        assert buf.end == 1000 + whole.size and len(buf) <= 16_000 + 50 * 1600
+    for a, b, view in kept:
+        assert np.array_equal(view, whole[a - 1000:b - 1000])
+        with pytest.raises(ValueError):
+            view[0] = 1.0
+    assert np.array_equal(buf.slice(buf.base, buf.end), whole[buf.base - 1000:])

@@ -10,20 +10,20 @@ with the VAD off the event loop (:meth:`app.live.session.LiveSession`'s executor
 
 A payload that splits a 16-bit sample keeps its odd byte for the next one.
 
-:class:`ChunkBuffer` keeps the recent audio at 16 kHz, addressed by absolute sample position.
-
-Appends are kept as the chunks they came in (a 30 s turn grown by 100 ms appends would cost
-~2 MB of copying per append as one array); a slice joins only the chunks it spans. What no
-turn can still need is dropped with :meth:`ChunkBuffer.trim`, so the buffer holds at most the
-open turn (<= 30 s) plus the prefix padding in server-VAD mode, or ``max_buffer_s`` in manual
-mode (the session refuses appends beyond it).
+:class:`ChunkBuffer` keeps the recent audio at 16 kHz, addressed by absolute sample position,
+in one array that grows by doubling: an append copies only its own samples (amortised), a slice
+is a read-only view (no copy), and :meth:`ChunkBuffer.trim` drops what no turn can still need by
+moving the start. Kept as the chunks they came in, as before, a slice of a 30 s turn joined ~300
+chunks in Python on the event loop: 339 us per slice against ~1 us here (timeit, this host), paid
+by every interim and final of every live session. The buffer holds at most the open turn
+(<= 30 s) plus the prefix padding in server-VAD mode, or ``max_buffer_s`` in manual mode (the
+session refuses appends beyond it), in an array of at most twice that.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
-from collections import deque
 from typing import Any
 
 import numpy as np
@@ -120,8 +120,12 @@ def encode_pcm16(samples: np.ndarray) -> bytes:
 
 
 class ChunkBuffer:
+    """Samples by absolute position (see the module doc). Samples once appended are never
+    written again: a grown array is a new one, so a view handed out stays as it was."""
+
     def __init__(self, start: int = 0) -> None:
-        self._chunks: deque[np.ndarray] = deque()
+        self._data = np.zeros(0, dtype=np.float32)
+        self._at = 0  # index in ``_data`` of sample ``base``
         self.base = start  # absolute position of the first sample held
         self.end = start  # absolute position after the last sample appended
 
@@ -129,34 +133,30 @@ class ChunkBuffer:
         return self.end - self.base
 
     def append(self, samples: np.ndarray) -> None:
-        if samples.size:
-            self._chunks.append(samples.astype(np.float32, copy=False))
-            self.end += samples.size
+        n, held = samples.size, self.end - self.base
+        if not n:
+            return
+        if self._at + held + n > self._data.size:  # full: the held samples move to a new array
+            grown = np.empty(max(2 * (held + n), SAMPLE_RATE), dtype=np.float32)
+            grown[:held] = self._data[self._at:self._at + held]
+            self._data, self._at = grown, 0
+        self._data[self._at + held:self._at + held + n] = samples
+        self.end += n
 
     def slice(self, a: int, b: int) -> np.ndarray:
-        """A copy of samples [a, b) (clipped to what is held)."""
+        """Samples [a, b) (clipped to what is held), as a read-only view."""
         a, b = max(a, self.base), min(b, self.end)
         if b <= a:
             return np.zeros(0, dtype=np.float32)
-        out, pos = [], self.base
-        for c in self._chunks:
-            lo, hi = max(a, pos), min(b, pos + c.size)
-            if lo < hi:
-                out.append(c[lo - pos:hi - pos])
-            pos += c.size
-            if pos >= b:
-                break
-        return np.concatenate(out)
+        view = self._data[self._at + a - self.base:self._at + b - self.base]
+        view.flags.writeable = False
+        return view
 
     def trim(self, keep_from: int) -> None:
-        """Drop whole chunks that end at or before ``keep_from`` (and cut the one across it)."""
-        while self._chunks and self.base + self._chunks[0].size <= keep_from:
-            self.base += self._chunks.popleft().size
-        if self._chunks and self.base < keep_from:
-            cut = keep_from - self.base
-            self._chunks[0] = self._chunks[0][cut:].copy()
-            self.base = keep_from
+        """Drop the samples before ``keep_from``."""
+        keep_from = min(max(keep_from, self.base), self.end)
+        self._at += keep_from - self.base
+        self.base = keep_from
 
     def clear(self) -> None:
-        self._chunks.clear()
-        self.base = self.end
+        self.trim(self.end)
