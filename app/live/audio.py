@@ -10,14 +10,14 @@ with the VAD off the event loop (:meth:`app.live.session.LiveSession`'s executor
 
 A payload that splits a 16-bit sample keeps its odd byte for the next one.
 
-:class:`ChunkBuffer` keeps the recent audio at 16 kHz, addressed by absolute sample position,
-in one array that grows by doubling: an append copies only its own samples (amortised), a slice
-is a read-only view (no copy), and :meth:`ChunkBuffer.trim` drops what no turn can still need by
-moving the start. Kept as the chunks they came in, as before, a slice of a 30 s turn joined ~300
-chunks in Python on the event loop: 339 us per slice against ~1 us here (timeit, this host), paid
-by every interim and final of every live session. The buffer holds at most the open turn
-(<= 30 s) plus the prefix padding in server-VAD mode, or ``max_buffer_s`` in manual mode (the
-session refuses appends beyond it), in an array of at most twice that.
+:class:`ChunkBuffer` keeps the recent audio at 16 kHz, addressed by absolute sample position, in
+one array that grows by half again when full: an append copies only its own samples (amortised),
+a slice is a read-only view (no copy), and :meth:`ChunkBuffer.trim` drops what no turn can still
+need by moving the start. Kept as the chunks they came in, as before, a slice of a 30 s turn
+joined ~300 chunks in Python on the event loop: 339 us per slice against ~1 us here (timeit,
+this host), paid by every interim and final of every live session. The buffer holds at most the
+open turn (<= 30 s) plus the prefix padding in server-VAD mode, or ``max_buffer_s`` in manual
+mode (the session refuses appends beyond it), in an array of at most 1.5 times that (or 1 s).
 """
 
 from __future__ import annotations
@@ -137,7 +137,7 @@ class ChunkBuffer:
         if not n:
             return
         if self._at + held + n > self._data.size:  # full: the held samples move to a new array
-            grown = np.empty(max(2 * (held + n), SAMPLE_RATE), dtype=np.float32)
+            grown = np.empty(max(3 * (held + n) // 2, SAMPLE_RATE), dtype=np.float32)
             grown[:held] = self._data[self._at:self._at + held]
             self._data, self._at = grown, 0
         self._data[self._at + held:self._at + held + n] = samples
