@@ -33,12 +33,21 @@ def variants(clips: list[Clip], tmp: Path) -> list[Path]:
     return files
 
 
+def test_wav_packets_grow_with_the_file_within_their_bounds() -> None:
+    assert audio.wav_packet(0) == audio.wav_packet(160_000) == 32 * 1024  # a 5 s clip
+    assert audio.wav_packet(8_000_000) == 64 * 1024  # ~4 minutes at 16 kHz mono
+    assert audio.wav_packet(16_000_000) == 128 * 1024
+    assert audio.wav_packet(38_400_044) == audio.wav_packet(10**11) == 256 * 1024  # 20 minutes
+
+
 def test_small_wav_probe_changes_nothing(clips: list[Clip], tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     files = variants(clips, tmp_path)
     assert len(files) > 10
     small = [(audio.probe(f, 3600), audio.decode(f, 3600)) for f in files]
-    monkeypatch.setattr(audio, "SMALL_PROBE", {})  # FFmpeg's default probe
+    # FFmpeg's defaults: its own probe size, and the wav demuxer's 4096-byte packets
+    monkeypatch.setattr(audio, "WAV_PROBE", {})
+    monkeypatch.setattr(audio, "wav_packet", lambda size: 4096)
     default = [(audio.probe(f, 3600), audio.decode(f, 3600)) for f in files]
     for f, (p1, a1), (p2, a2) in zip(files, small, default, strict=True):
         assert p1 == p2, f

@@ -16,6 +16,7 @@ is a 415 at upload.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -47,14 +48,29 @@ CODEC_PREFIXES = ("pcm_", "adpcm_")
 MAX_RATE = 384_000
 MAX_CHANNELS = 8
 RIFF_IDS = (b"RIFF", b"RF64", b"BW64")  # a WAV starts with one, then its size, then b"WAVE"
-# WAV: a 4 KB probe (see open_audio), and packets of 256 KB instead of the wav demuxer's
-# 4096-byte default. Every packet costs a demux, decode, frame and resample step in Python under
-# the GIL: a 16 kHz mono WAV came in 2048-byte packets, and on the H200 run (16 prep threads,
-# 16 twenty-minute WAV uploads at once: loadtest/results/gpu-h200.json) the prep threads spent
-# 56 % of their samples in that per-packet loop and 15 % resampling, while the GPU was busy 29 %
-# of the time. Decoding a 20-minute WAV here: 3,100x real time with 2 KB packets, 36,900x with
-# 256 KB ones (8 s of 16 kHz mono; 1.4 s of 48 kHz stereo).
-SMALL_PROBE = {"probesize": "4096", "max_size": "262144"}
+# WAV: a 4 KB probe (see open_audio), and packets sized to the file instead of the wav
+# demuxer's 4096-byte default. Every packet costs a demux, decode, frame and resample step in
+# Python under the GIL: a 16 kHz mono WAV came in 2048-byte packets, and on the H200 run (16 prep
+# threads, 16 twenty-minute WAV uploads at once: loadtest/results/gpu-h200.json) the prep threads
+# spent 56 % of their samples in that per-packet loop and 15 % resampling, while the GPU was busy
+# 29 % of the time. Decoding a 20-minute WAV here: 3,100x real time with 2 KB packets, 36,900x
+# with 256 KB ones (8 s of 16 kHz mono; 1.4 s of 48 kHz stereo).
+# But the packet size is also what opening costs: FFmpeg's stream probe reads and decodes a
+# first packet, ~55 ns per byte here, so an open took 14 ms at 256 KB against 0.5 ms at 4 KB and
+# 2.4 ms at 32 KB, paid twice by every upload (the service's probe, then prep's decoder) and
+# once more by a long one's check for parts. A short clip's probe and decode cost 13.5 ms of CPU
+# at 256 KB, 5.0 ms at 32 KB (10 corpus WAVs, best of 5); a 20-minute WAV's 42 ms at 256 KB,
+# 55 ms at 64 KB, 91 ms at 32 KB. So the header checks (probe, parts) open with 4 KB packets,
+# and a decoder with packets of ~1/128 of the file, 32 KB to 256 KB (:func:`wav_packet`).
+WAV_PROBE = {"probesize": "4096"}
+PROBE_PACKET = 4096  # opens that read the header and a first packet only
+MIN_PACKET, MAX_PACKET = 32 * 1024, 256 * 1024
+
+
+def wav_packet(size: int) -> int:
+    """Packet bytes to decode a WAV of ``size`` bytes in: a power of two near ``size / 128``,
+    from 32 KB (clips up to ~2 minutes at 16 kHz mono) to 256 KB (from ~9 minutes)."""
+    return min(MAX_PACKET, max(MIN_PACKET, 1 << max(0, size // 128 - 1).bit_length()))
 
 
 @dataclass(frozen=True)
@@ -87,7 +103,7 @@ def probe(path: Path, max_audio_s: float) -> Probe:
     422 for audio with no decodable samples, 413 over the limit.
     """
     try:
-        with open_audio(path) as c:
+        with open_audio(path, PROBE_PACKET) as c:
             s = c.streams.audio[0]
             cc = s.codec_context
             check_stream(cc.name, int(cc.sample_rate or 0), int(cc.channels or 0))
@@ -114,31 +130,34 @@ def probe(path: Path, max_audio_s: float) -> Probe:
         ) from exc
 
 
-def open_audio(path: Path) -> Any:
+def open_audio(path: Path, packet: int | None = None) -> Any:
     """``av.open`` behind the allow-lists, with an audio stream (else 415); cheaper for WAV.
 
     FFmpeg's stream probe reads up to 5 MB of a file; for PCM that is the whole upload, parsed
     packet by packet: ~4 ms per open here, and every request opens its file twice (probe,
     decode), while a WAV header already holds what the probe looks for. Other formats keep
     FFmpeg's defaults (an mp3's ID3 cover art can be larger than a small probe), and so does a
-    WAV whose stream the small probe left undescribed."""
-    c = _open(path)
+    WAV whose stream the small probe left undescribed. A WAV is demuxed in ``packet``-byte
+    packets (None: sized to the file for decoding, :func:`wav_packet`)."""
+    c = _open(path, packet)
     if not c.streams.audio:
         c.close()
         raise UnsupportedMedia("the upload has no audio stream")
     return c
 
 
-def _open(path: Path) -> Any:
+def _open(path: Path, packet: int | None) -> Any:
     try:
         with path.open("rb") as f:
             head = f.read(12)
+            size = os.fstat(f.fileno()).st_size
     except OSError:
-        head = b""  # av.open below raises its own error for it, as it always did
+        head, size = b"", 0  # av.open below raises its own error for it, as it always did
     if head[:4] in RIFF_IDS and head[8:12] == b"WAVE":
+        max_size = str(packet or wav_packet(size))
         try:
             c = av.open(str(path), mode="r", metadata_errors="ignore",
-                        options={**OPEN_OPTIONS, **SMALL_PROBE})
+                        options={**OPEN_OPTIONS, **WAV_PROBE, "max_size": max_size})
         except av.error.FFmpegError:
             pass  # judged by the default probe below, exactly as before
         else:

@@ -44,7 +44,13 @@ from typing import Protocol
 import av
 import numpy as np
 
-from app.audio.media import AudioDecoder, NotSeekable, _declared_duration, open_audio
+from app.audio.media import (
+    PROBE_PACKET,
+    AudioDecoder,
+    NotSeekable,
+    _declared_duration,
+    open_audio,
+)
 from app.audio.server_vad import TunedVad
 from app.audio.spans import CHUNK, SpanTracker
 from app.audio.stream import Chunk, _Track
@@ -81,7 +87,7 @@ def splittable(path: Path) -> float | None:
     where its timestamps say, with a duration in its header), else None (also for a file that
     does not open: the stream that opens it says why)."""
     try:
-        with open_audio(path) as c:
+        with open_audio(path, PROBE_PACKET) as c:  # the header only
             if c.format.name not in SPLITTABLE:
                 return None
             return _declared_duration(c, c.streams.audio[0])
