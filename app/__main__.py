@@ -1,4 +1,5 @@
-"""``python -m app``: run the service on its settings (environment variables: docs/configuration.md)."""
+"""``python -m app``: run the service on its settings (environment variables or flags, ``--help``:
+app/config/cli.py, docs/configuration.md)."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Sequence
 from types import FrameType
 from typing import Any, Protocol
 
@@ -18,14 +20,12 @@ from app.engine.device import use_pci_bus_order  # light: os and logging only
 use_pci_bus_order()  # before CUDA initialises: CUDA ordinal k is NVML's GPU k
 
 import uvicorn  # noqa: E402
-from pydantic import ValidationError  # noqa: E402
 from uvicorn.protocols.websockets.websockets_sansio_impl import (  # noqa: E402
     WebSocketsSansIOProtocol,
 )
 
 from app.api.middleware.keys import exposure_problem, is_loopback  # noqa: E402
-from app.config import Settings  # noqa: E402
-from app.config import problem as settings_problem  # noqa: E402
+from app.config import Settings, cli  # noqa: E402
 from app.engine.loading import REFUSALS, preflight  # noqa: E402
 from app.main import create_app, setup_logging  # noqa: E402
 
@@ -71,11 +71,11 @@ class WebSockets(WebSocketsSansIOProtocol):
             self.handshake_complete = True
 
 
-def main() -> int:
-    try:  # a typo in a variable, a value out of bounds: one line naming it, exit 2
-        settings = Settings()
-    except ValidationError as exc:
-        print(f"batchscribe: cannot start: {settings_problem(exc)}", file=sys.stderr)
+def main(argv: Sequence[str] | None = None) -> int:
+    try:  # a typo in a variable or flag, a value out of bounds: one line naming it, exit 2
+        settings = cli.read(sys.argv[1:] if argv is None else argv)
+    except cli.BadFlags as exc:
+        print(f"batchscribe: cannot start: {exc}", file=sys.stderr)
         return 2
     if problem := exposure_problem(settings):  # before anything loads: fail in a second
         print(problem, file=sys.stderr)

@@ -176,6 +176,7 @@ class Server:
     proc: subprocess.Popen[bytes] | None = None
     log_path: Path | None = None
     module: str = "app"  # what ``python -m`` runs (tests/fakegpu_app.py: the same on a fake GPU)
+    args: list[str] = field(default_factory=list)  # its command line (app/config/cli.py)
 
     def __post_init__(self) -> None:
         self.fixed_port = self.port != 0
@@ -201,8 +202,8 @@ class Server:
         self.log_path = self.data_dir / f"server-{self.port}-{int(time.time() * 1000)}.log"
         self.data_dir.mkdir(parents=True, exist_ok=True)
         log = self.log_path.open("wb")
-        self.proc = subprocess.Popen([sys.executable, "-m", self.module], cwd=ROOT, env=env,
-                                     stdout=log, stderr=subprocess.STDOUT)
+        self.proc = subprocess.Popen([sys.executable, "-m", self.module, *self.args], cwd=ROOT,
+                                     env=env, stdout=log, stderr=subprocess.STDOUT)
         listening = f"running on http://127.0.0.1:{self.port} "  # uvicorn's line once bound
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:

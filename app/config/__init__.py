@@ -18,6 +18,7 @@ from __future__ import annotations
 import difflib
 import math
 import os
+from collections.abc import Collection
 from pathlib import Path
 from typing import Any, Literal
 
@@ -182,14 +183,18 @@ def unknown_variables(environ: Any) -> list[str]:
     return out
 
 
-def problem(exc: ValidationError) -> str:
+def problem(exc: ValidationError, flags: Collection[str] = ()) -> str:
     """A settings error in one line, each fault naming its environment variable:
     ``unknown setting BATCHSCRIBE_MODEL__NAMEE (did you mean BATCHSCRIBE_MODEL__NAME?)``,
-    ``BATCHSCRIBE_PORT: Input should be less than or equal to 65535``."""
+    ``BATCHSCRIBE_PORT: Input should be less than or equal to 65535``; or its flag, for the
+    settings in ``flags`` (given on the command line, app/config/cli.py: ``model.cache_dir``):
+    ``--port: Input should be ...``."""
     faults = []
     for err in exc.errors():
         loc = [str(part) for part in err["loc"] if not isinstance(part, int)]
         name = PREFIX + "__".join(loc).upper()
+        if ".".join(loc) in flags:
+            name = "--" + ".".join(loc).replace("_", "-")
         if err["type"] == "extra_forbidden":
             faults.append(f"unknown setting {name}{_guess(name, _nested_names(loc[:-1]))}")
         elif not loc:  # a model validator's own message (unknown top-level variables)

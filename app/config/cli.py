@@ -1,0 +1,60 @@
+"""``python -m app``'s command line: every setting as a flag, made by pydantic-settings from the
+same tree the environment fills (``--port 9000`` is ``BATCHSCRIBE_PORT=9000``,
+``--model.name whisper-small`` is ``BATCHSCRIBE_MODEL__NAME=whisper-small``); a flag wins over
+its variable.
+
+Before this the command took no arguments and ignored every one: ``python -m app --help``, or
+``scripts/serve --port 9000``, started the service on port 8000 (or failed there, the port taken),
+which is not what a user typing either expects. Now ``--help`` lists every setting with its
+description and bounds and exits, an unknown flag exits 2 with argparse's usage line, and a bad
+value exits 2 with one line naming the flag, as a bad variable names the variable.
+"""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Sequence
+
+from pydantic import ValidationError
+from pydantic_settings import CliSettingsSource
+
+from app.config import PREFIX, Settings, problem
+
+PROG = "python -m app"
+DESCRIPTION = ("Run the batchscribe service. Each setting below is also an environment variable: "
+               f"--port is {PREFIX}PORT, --model.name is {PREFIX}MODEL__NAME (a group's fields "
+               "after a double underscore); a flag wins over its variable. With none, the "
+               "embedded defaults: SQLite under --home, the provisioned whisper-base model, CUDA "
+               "if present else CPU, 127.0.0.1:8000. docs/configuration.md explains each.")
+
+
+def parser() -> argparse.ArgumentParser:
+    return argparse.ArgumentParser(prog=PROG, description=DESCRIPTION,
+                                   usage=f"{PROG} [-h] [--SETTING VALUE ...]")
+
+
+def read(argv: Sequence[str]) -> Settings:
+    """The settings from the environment and ``argv`` (flags win). ``--help`` and argparse's
+    own errors exit (0 and 2); a value out of bounds raises :class:`BadFlags`."""
+    source: CliSettingsSource[argparse.ArgumentParser] = CliSettingsSource(
+        Settings, root_parser=parser(), cli_kebab_case=True,
+        cli_avoid_json=True, cli_hide_none_type=True)
+    parsed = source(args=list(argv))
+    try:
+        return Settings(_cli_settings_source=parsed)
+    except ValidationError as exc:
+        raise BadFlags(problem(exc, given(argv))) from exc
+
+
+class BadFlags(ValueError):
+    """The settings, flags and variables together, do not validate (one line, ``str``)."""
+
+
+def given(argv: Sequence[str]) -> frozenset[str]:
+    """The settings named on the command line, as pydantic's locations joined by dots with
+    underscores (``--model.cache-dir=/x`` -> ``model.cache_dir``)."""
+    out = set()
+    for arg in argv:
+        if arg.startswith("--"):
+            out.add(arg[2:].split("=", 1)[0].replace("-", "_"))
+    return frozenset(out)
