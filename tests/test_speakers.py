@@ -289,10 +289,11 @@ async def test_progressive_feed_is_exact_and_holds_little_audio() -> None:
         while a < len(audio):
             n = int(rng.uniform(0.05, 25) * 16_000)
             await s.feed(audio[a: a + n], a / 16_000)
-            held.append(s.held_samples)
+            held.append(s.held_samples - min(n, len(audio) - a))
             a += n
         assert await s.finish() == whole
-        # After each feed: the next window (< 11 s) and the open crop (< 1.5 s), not the upload.
+        # After each feed: the next window (< 11 s), the open crop (< 1.5 s) and the chunk just
+        # fed (its crops are embedded while the next chunk is segmented), not the upload.
         assert max(held) <= 13 * 16_000
         with pytest.raises(RuntimeError, match="finished"):
             await s.feed(audio[:10], 0.0)

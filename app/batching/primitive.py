@@ -18,8 +18,8 @@ Both batchers pool items from many callers into model calls, and share these rul
 Why two batchers, in a sentence: the speech batcher (app/batching/batcher.py) groups windows by
 decode options and padded length, sizes each batch by engine memory and beams, and runs several
 engine workers and two stages (encode, decode), while the speaker models (app/speakers) take
-fixed-shape items on one dedicated thread, so a batch there is simply whatever is queued when
-that thread is free (:class:`ModelBatcher`).
+fixed-shape items, each model on a thread of its own, so a batch there is simply whatever is
+queued when that model is free (:class:`ModelBatcher`).
 
 Batching pays on CPU for the speaker models too: per item, segmentation costs 36.7 ms alone and
 26.5 ms in batches of 16, a CAM++ crop 41.8 ms alone and 24.7 ms in batches of 16 (one torch
@@ -101,8 +101,8 @@ class _Item(Generic[T, R]):
 
 class ModelBatcher(Generic[T, R]):
     """Pools items from many callers into calls of ``run(items) -> results`` (same order), on
-    ``executor``: for the speaker models, a dedicated thread (they are not thread-safe across
-    concurrent calls, and one thread keeps speaker work to one core beside the Whisper engine)."""
+    ``executor``, one call at a time: for each speaker model, a thread of its own (a model is
+    never called by two threads at once; app/speakers/diarizer.py)."""
 
     def __init__(self, run: Callable[[list[T]], Sequence[R]], executor: Executor,
                  max_batch: int, name: str = "speakers") -> None:

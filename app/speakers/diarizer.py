@@ -1,4 +1,4 @@
-"""The service-level diarizer: both speaker models, one inference thread, two batchers.
+"""The service-level diarizer: both speaker models, a thread and a batcher for each.
 
 Lifecycle (as the engine's): ``Diarizer.load(cache_dir)`` is blocking (imports pyannote.audio,
 reads ~34 MB of weights: ~8 s here, mostly the import) and belongs in the lifespan's start-up
@@ -56,15 +56,20 @@ class Diarizer:
                  executor: Executor | None = None) -> None:
         self.models = models
         self.settings = settings or DiarizerSettings()
+        # A thread per model: each model is called by one thread only (one batch at a time),
+        # and a stream embeds one chunk's crops while it segments the next (stream.py), so
+        # speaker work takes up to two cores beside the engine. On one thread for both, a long
+        # diarize upload alone ran at the speaker thread's pace with the other core idle once
+        # its transcription was done. ``executor`` (tests): one for both.
+        self._executors = ([executor] if executor is not None else
+                           [ThreadPoolExecutor(1, thread_name_prefix=f"speakers-{m}")
+                            for m in ("seg", "emb")])
         self._own_executor = executor is None
-        # One thread for both models: speaker work takes at most one core beside the engine,
-        # and the models are never called concurrently.
-        self._executor = executor or ThreadPoolExecutor(1, thread_name_prefix="speakers")
         self.segmenter: ModelBatcher[np.ndarray, np.ndarray] = ModelBatcher(
-            lambda w: list(models.segment(np.stack(w))), self._executor,
+            lambda w: list(models.segment(np.stack(w))), self._executors[0],
             self.settings.segment_batch, "speaker-segmentation")
         self.embedder: ModelBatcher[np.ndarray, np.ndarray] = ModelBatcher(
-            lambda c: list(models.embed(np.stack(c))), self._executor,
+            lambda c: list(models.embed(np.stack(c))), self._executors[-1],
             self.settings.embed_batch, "speaker-embedding")
         self._ids = itertools.count()
 
@@ -84,7 +89,8 @@ class Diarizer:
         await self.segmenter.stop()
         await self.embedder.stop()
         if self._own_executor:
-            self._executor.shutdown(wait=False, cancel_futures=True)
+            for ex in self._executors:
+                ex.shutdown(wait=False, cancel_futures=True)
 
     def stream(self, job: Hashable | None = None, num_speakers: int | None = None,
                min_speakers: int | None = None, max_speakers: int | None = None,

@@ -162,7 +162,7 @@ async def reference_voices(service: SpeakerService | None, names: Sequence[str],
     ``known_speakers``; a bad reference is a 400 naming its field, no retry. Each clip is
     probed behind the allow-lists and its duration charged (``admit``) before anything decodes
     it: issue 51 found references decoded and embedded before the main audio was admitted,
-    uncharged, on the one shared speaker thread, and past the codec allow-list. The speaker
+    uncharged, on the shared speaker threads, and past the codec allow-list. The speaker
     models are loaded first if nobody has asked for them yet."""
     from app.errors import BadRequest, DiarizationOff
 
