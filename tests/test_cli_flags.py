@@ -28,12 +28,14 @@ def run_app(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
 
 
 def every_flag() -> list[str]:
-    """``--port``, ``--model.cache-dir``, ...: one per leaf setting of the tree."""
+    """``--port``, ``--model.cache-dir``, ...: one per leaf setting of the tree but the
+    secrets."""
     out = []
     for name, f in Settings.model_fields.items():
         group = f.annotation
         if isinstance(group, type) and issubclass(group, BaseModel):
-            out += [f"--{name}.{sub}".replace("_", "-") for sub in group.model_fields]
+            out += [f"--{name}.{sub}".replace("_", "-") for sub in group.model_fields
+                    if f"{name}.{sub}" not in cli.secrets()]
         else:
             out.append(f"--{name}".replace("_", "-"))
     return out
@@ -47,6 +49,8 @@ def test_help_lists_every_setting_and_starts_nothing(tmp_path: Path) -> None:
     missing = [f for f in flags if f"  {f} " not in got.stdout]
     assert not missing, missing
     assert "BATCHSCRIBE_MODEL__NAME" in got.stdout  # how a flag maps to its variable
+    assert cli.secrets() == {"webhooks.secret", "live.client_secret_key"}
+    assert "--webhooks.secret" not in got.stdout and "--live.client-secret-key" not in got.stdout
     assert "Bind port. (default: 8000)" in got.stdout  # each with its description and default
     assert not (tmp_path / "data").exists()  # nothing was started
 
@@ -56,6 +60,20 @@ def test_a_bad_value_is_one_line_naming_the_flag(tmp_path: Path) -> None:
     assert got.returncode == 2
     assert got.stderr.strip() == \
         "batchscribe: cannot start: --port: Input should be less than or equal to 65535"
+
+
+@pytest.mark.parametrize("args, var", [
+    (["--webhooks.secret", "s3cr3t"], "BATCHSCRIBE_WEBHOOKS__SECRET"),
+    (["--live.client-secret-key=s3cr3t"], "BATCHSCRIBE_LIVE__CLIENT_SECRET_KEY"),
+])
+def test_a_secret_is_never_a_flag(tmp_path: Path, args: list[str], var: str) -> None:
+    """Another user of the host reads a process's arguments (ps), never its environment."""
+    got = run_app(tmp_path, *args)
+    assert got.returncode == 2
+    flag = args[0].split("=")[0]
+    assert got.stderr.strip() == (f"batchscribe: cannot start: {flag}: a secret is read from "
+                                  f"its variable only ({var}): a flag shows in ps")
+    assert not (tmp_path / "data").exists()
 
 
 def test_an_unknown_flag_exits_2_naming_it(tmp_path: Path) -> None:

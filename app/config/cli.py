@@ -7,7 +7,8 @@ Before this the command took no arguments and ignored every one: ``python -m app
 ``scripts/serve --port 9000``, started the service on port 8000 (or failed there, the port taken),
 which is not what a user typing either expects. Now ``--help`` lists every setting with its
 description and bounds and exits, an unknown flag exits 2 with argparse's usage line, and a bad
-value exits 2 with one line naming the flag, as a bad variable names the variable.
+value exits 2 with one line naming the flag, as a bad variable names the variable. Secrets are
+variables only (:func:`secrets`).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 from pydantic_settings import CliSettingsSource
 
 from app.config import PREFIX, Settings, problem
@@ -36,6 +37,10 @@ def parser() -> argparse.ArgumentParser:
 def read(argv: Sequence[str]) -> Settings:
     """The settings from the environment and ``argv`` (flags win). ``--help`` and argparse's
     own errors exit (0 and 2); a value out of bounds raises :class:`BadFlags`."""
+    if secret := sorted(given(argv) & secrets()):
+        name = secret[0]
+        raise BadFlags(f"--{name.replace('_', '-')}: a secret is read from its variable only "
+                       f"({PREFIX}{name.replace('.', '__').upper()}): a flag shows in ps")
     source: CliSettingsSource[argparse.ArgumentParser] = CliSettingsSource(
         Settings, root_parser=parser(), cli_kebab_case=True,
         cli_avoid_json=True, cli_hide_none_type=True)
@@ -48,6 +53,19 @@ def read(argv: Sequence[str]) -> Settings:
 
 class BadFlags(ValueError):
     """The settings, flags and variables together, do not validate (one line, ``str``)."""
+
+
+def secrets() -> frozenset[str]:
+    """The secret settings (``SecretStr``: ``webhooks.secret``, ``live.client_secret_key``),
+    hidden from ``--help`` and refused as flags: another user of the host sees a process's
+    arguments, never its environment."""
+    out = set()
+    for name, f in Settings.model_fields.items():
+        group = f.annotation
+        if isinstance(group, type) and issubclass(group, BaseModel):
+            out |= {f"{name}.{sub}" for sub, g in group.model_fields.items()
+                    if "SecretStr" in str(g.annotation)}
+    return frozenset(out)
 
 
 def given(argv: Sequence[str]) -> frozenset[str]:

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Annotated, Any
 
 from pydantic import BaseModel, Field, SecretStr, field_validator
-from pydantic_settings import NoDecode
+from pydantic_settings import CliSuppress, NoDecode
 
 from app.config.stages import DEFAULT_HOME, STRICT
 
@@ -180,7 +180,7 @@ class WebhookSettings(BaseModel):
 
     model_config = STRICT
 
-    secret: SecretStr = Field(
+    secret: CliSuppress[SecretStr] = Field(  # a variable only: a flag would show in ps
         default=SecretStr(""),
         description="HMAC-SHA256 key for X-Batchscribe-Signature. Empty: webhooks are off and a "
         "callback_url is refused.",
@@ -371,6 +371,6 @@ class LiveSettings(BaseModel):
                               "(GET /jobs/{id}, formats, webhook) once it closes.")
     client_secret_ttl_s: int = Field(600, ge=10, le=7200,
                                      description="Default lifetime of a /v1/realtime/client_secrets token.")
-    client_secret_key: SecretStr | None = Field(
+    client_secret_key: CliSuppress[SecretStr | None] = Field(  # a variable only (ps)
         None, description="HMAC key that signs client secrets; replicas behind one balancer need "
         "the same one. Unset: a random key per process (a token works on the replica that made it).")
