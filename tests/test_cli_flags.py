@@ -65,15 +65,25 @@ def test_a_bad_value_is_one_line_naming_the_flag(tmp_path: Path) -> None:
 @pytest.mark.parametrize("args, var", [
     (["--webhooks.secret", "s3cr3t"], "BATCHSCRIBE_WEBHOOKS__SECRET"),
     (["--live.client-secret-key=s3cr3t"], "BATCHSCRIBE_LIVE__CLIENT_SECRET_KEY"),
+    (["--storage.database-url", "postgresql://u:s3cr3t@db/jobs"],
+     "BATCHSCRIBE_STORAGE__DATABASE_URL"),
 ])
 def test_a_secret_is_never_a_flag(tmp_path: Path, args: list[str], var: str) -> None:
     """Another user of the host reads a process's arguments (ps), never its environment."""
     got = run_app(tmp_path, *args)
     assert got.returncode == 2
     flag = args[0].split("=")[0]
-    assert got.stderr.strip() == (f"batchscribe: cannot start: {flag}: a secret is read from "
+    what = "a URL with a password" if "database" in flag else "a secret"
+    assert got.stderr.strip() == (f"batchscribe: cannot start: {flag}: {what} is read from "
                                   f"its variable only ({var}): a flag shows in ps")
     assert not (tmp_path / "data").exists()
+
+
+def test_a_database_url_without_a_password_is_a_flag(monkeypatch: pytest.MonkeyPatch,
+                                                     tmp_path: Path) -> None:
+    monkeypatch.setenv("BATCHSCRIBE_HOME", str(tmp_path))
+    url = "postgresql://jobs@db.internal/jobs"  # a password from PGPASSWORD or .pgpass
+    assert cli.read([f"--storage.database-url={url}"]).storage.database_url == url
 
 
 def test_an_unknown_flag_exits_2_naming_it(tmp_path: Path) -> None:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ValidationError
 from pydantic_settings import CliSettingsSource
@@ -38,9 +39,11 @@ def read(argv: Sequence[str]) -> Settings:
     """The settings from the environment and ``argv`` (flags win). ``--help`` and argparse's
     own errors exit (0 and 2); a value out of bounds raises :class:`BadFlags`."""
     if secret := sorted(given(argv) & secrets()):
-        name = secret[0]
-        raise BadFlags(f"--{name.replace('_', '-')}: a secret is read from its variable only "
-                       f"({PREFIX}{name.replace('.', '__').upper()}): a flag shows in ps")
+        raise BadFlags(f"--{secret[0].replace('_', '-')}: a secret is read from its variable "
+                       f"only ({variable(secret[0])}): a flag shows in ps")
+    if any(urlsplit(url).password for url in values(argv, "--storage.database-url")):
+        raise BadFlags("--storage.database-url: a URL with a password is read from its variable "
+                       f"only ({variable('storage.database_url')}): a flag shows in ps")
     source: CliSettingsSource[argparse.ArgumentParser] = CliSettingsSource(
         Settings, root_parser=parser(), cli_kebab_case=True,
         cli_avoid_json=True, cli_hide_none_type=True)
@@ -66,6 +69,22 @@ def secrets() -> frozenset[str]:
             out |= {f"{name}.{sub}" for sub, g in group.model_fields.items()
                     if "SecretStr" in str(g.annotation)}
     return frozenset(out)
+
+
+def variable(setting: str) -> str:
+    """``storage.database_url`` -> ``BATCHSCRIBE_STORAGE__DATABASE_URL``."""
+    return PREFIX + setting.replace(".", "__").upper()
+
+
+def values(argv: Sequence[str], flag: str) -> list[str]:
+    """The values given to ``flag`` (``--flag v`` or ``--flag=v``)."""
+    out = []
+    for i, arg in enumerate(argv):
+        if arg.startswith(flag + "="):
+            out.append(arg[len(flag) + 1:])
+        elif arg == flag and i + 1 < len(argv):
+            out.append(argv[i + 1])
+    return out
 
 
 def given(argv: Sequence[str]) -> frozenset[str]:
