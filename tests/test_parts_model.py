@@ -1,13 +1,20 @@
 """An upload split across prep processes reads as the unsplit one (issue 50 item 3), on the real
-service and model: 8 minutes of read speech, the shared service reading it whole (no part shorter
-than its default 5 minutes), one in four parts on four prep processes (three seams, found as the
-service finds them; the service logs the split). The comparison is loadtest/lib/split.py's.
+service and model: 8 minutes of read speech as a VBR MP3 (the format users send most, split by
+demuxing to each part's start: its own seek is an estimate), the shared service reading it whole
+(no part shorter than its default 5 minutes), one in four parts on four prep processes (three
+seams, found as the service finds them; the service logs the split). The comparison is
+loadtest/lib/split.py's. A WAV's parts give the windows of the same parts prepared in this
+process (tests/test_prep_procs.py), and an MP3's parts the same samples as one pass
+(tests/test_parts.py).
 
-* **At the seams**: the words within 4 s of each seam are the same in both transcripts, none
-  inserted and none dropped (a word may be spelled differently: its window differs).
+* **At the seams**: the words within 4 s of each seam are the same in both transcripts, or,
+  against the references of the clips there, the split one has no more insertions and no more
+  deletions than the whole one: no word lost or read twice. (Word for word the two may differ
+  where a window starts elsewhere: at 243.5 s the whole read "we desire and crease", the split
+  the reference's "we desire increase"; the other two seams read alike.)
 * **Overall**: the split transcript's WER is at most 1 point above the whole one's. Within that,
   the difference is Whisper's window-grouping noise, not the seams (measured on these 8 minutes:
-  whole 5.04 %, split 5.38 %, 4 words of 1152, all away from the seams); a part lost or read
+  whole 6.08 %, split 5.90 % of 1133 words; as a WAV 5.04 % and 5.38 %); a part lost or read
   twice moves it by whole windows, ~80 words (7 points) each.
 
 The issue's own figure, on 20 minutes (WER within 0.2 points), is ``python -m loadtest.parts``
@@ -23,7 +30,9 @@ from typing import Any
 import httpx
 import pytest
 
-from loadtest.lib.split import Placed, compare, read_speech_upload, seams
+from app.audio import decode
+from loadtest.lib.feed_audio import encode
+from loadtest.lib.split import Placed, compare, read_speech_upload, seam_holds, seams
 from tests.conftest import Clip, Server
 
 pytestmark = pytest.mark.model
@@ -32,8 +41,11 @@ MINUTES = 8
 
 @pytest.fixture(scope="module")
 def upload(clips: list[Clip], tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Placed]:
-    path = tmp_path_factory.mktemp("split") / "long.wav"
-    return path, read_speech_upload(clips, path, MINUTES)
+    wav = tmp_path_factory.mktemp("split") / "long.wav"
+    placed = read_speech_upload(clips, wav, MINUTES)
+    path = wav.with_suffix(".mp3")
+    encode(decode(wav, 3600.0), path, "mp3vbr")
+    return path, placed
 
 
 def transcribe(srv: Server, path: Path) -> dict[str, Any]:
@@ -71,4 +83,4 @@ def test_a_split_upload_reads_as_the_unsplit_one(server: Server, make_server: ty
     cmp = compare(placed, whole, split, at)
     assert cmp["wer_split_percent"] <= cmp["wer_whole_percent"] + 1.0, cmp
     for seam in cmp["seams"]:
-        assert seam["insertions"] == seam["deletions"] == 0, seam
+        assert seam_holds(seam), seam

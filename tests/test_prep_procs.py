@@ -32,6 +32,7 @@ from app.audio.procs import ProcFeed, ProcPool
 from app.audio.vad import SileroVad
 from app.errors import DecoderCrashed, ShuttingDown, UnsupportedMedia
 from app.windows import SAMPLE_RATE, as_float
+from loadtest.lib.feed_audio import encode
 from loadtest.lib.split import side_by_side
 from tests.conftest import Clip
 from tests.fakes import BOUND
@@ -131,8 +132,20 @@ def decode_pair(upload: Path, tmp_path: Path) -> Path:
     return path
 
 
+@pytest.fixture(scope="module")
+def upload_mp3(speech: np.ndarray, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The same ~11 minutes as a 44.1 kHz VBR MP3 (split by demuxing to each part's start)."""
+    path = tmp_path_factory.mktemp("mp3") / "long.mp3"
+    encode(speech, path, "mp3vbr")
+    return path
+
+
+@pytest.mark.parametrize("fmt", ["wav", "mp3"])
 async def test_a_split_upload_comes_back_whole(pools: Callable[..., Any], upload: Path,
-                                               vad: SileroVad) -> None:
+                                               upload_mp3: Path, vad: SileroVad,
+                                               fmt: str) -> None:
+    if fmt == "mp3":
+        upload = upload_mp3
     pool = await pools(vad, 3)
     feed = ProcFeed(pool, request(upload), 3, 120)
     got = await drain(feed)

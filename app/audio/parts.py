@@ -18,10 +18,12 @@ GPU's batch. Cut into parts, each decoded from its own seek point in its own pre
   (the pool relays it as soon as part k has found it, usually long before) and ends its audio
   there: its last span's padding is cut at the seam. Every sample after the seam belongs to
   exactly one part, so no speech is in two windows and none in no window.
-* **Which containers.** Only those whose seek lands where their timestamps say: WAV and FLAC
-  land exactly, Ogg (Opus) and MP4 (AAC) within 7 ms (the codec's pre-skip), measured against
-  one pass here. MP3 is not split: its seek is a byte estimate (25 ms off for a CBR file, and
-  Xing's table of contents can be seconds off on a VBR one), so a seam could lose a word.
+* **Which containers.** Those whose decoder finds a sample exactly: WAV, FLAC, Ogg (Opus) and
+  MP4 (AAC) by FFmpeg's seek, counted from the stream's start time (a codec's delay); MP3 and
+  ADTS AAC, whose seek is an estimate (a byte offset by bit rate, or a VBR file's Xing table:
+  seconds off), by demuxing the packets before the point in order (app/audio/media.py
+  ``SCAN_SEEK``: 0.11 s to demux a 20-minute MP3, 1.87 s to decode it). Each lands on the
+  sample one pass gives (tests/test_parts.py). Matroska/WebM seeks by its cues.
   A part whose seek fails is empty, and the part before it runs on to the next seam.
 
 Windows near a seam differ from one pass's (a window that would have crossed it is two), and
@@ -46,6 +48,7 @@ import numpy as np
 
 from app.audio.media import (
     PROBE_PACKET,
+    SCAN_SEEK,
     AudioDecoder,
     NotSeekable,
     _declared_duration,
@@ -61,7 +64,7 @@ from app.windows import SAMPLE_RATE, Window
 WARM_S = 8.0
 SEARCH_S = 20.0
 SPLITTABLE = frozenset({"wav", "w64", "flac", "aiff", "ogg", "mov,mp4,m4a,3gp,3g2,mj2",
-                        "matroska,webm"})
+                        "matroska,webm", *SCAN_SEEK})
 EMPTY = np.zeros(0, dtype=np.float32)
 
 

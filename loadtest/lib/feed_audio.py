@@ -4,10 +4,9 @@ whose prep costs differ most.
 Upload k is the corpus's clips from clip 7k on, in turn, 0.8 s of silence between them, until
 it is ``minutes`` long (so no two uploads are the same audio). Formats: ``wav16`` (16 kHz mono
 WAV, what the H200 run sent), ``wav48s`` (48 kHz stereo WAV: resampling and downmix), ``flac``
-(16 kHz mono, compressed and seekable), ``mp3`` (44.1 kHz stereo, 128 kb/s: compressed, and
-not split, its seek being an estimate); ``ogg`` (Opus) and ``m4a`` (AAC) also split. Encoded
-with PyAV (FFmpeg in its wheel); kept in
-``work`` and reused.
+(16 kHz mono, compressed and seekable), ``mp3`` (44.1 kHz stereo, 128 kb/s: compressed; split
+by demuxing to each part's start, its own seek being an estimate); ``ogg`` (Opus) and ``m4a``
+(AAC) also split. Encoded with PyAV (FFmpeg in its wheel); kept in ``work`` and reused.
 """
 
 from __future__ import annotations
@@ -29,7 +28,12 @@ FORMATS = {
     "mp3": (".mp3", "mp3", "libmp3lame", 44100, "stereo", "s16p", 128_000),
     "ogg": (".ogg", "ogg", "libopus", 48000, "mono", "s16", 32_000),
     "m4a": (".m4a", "mp4", "aac", 48000, "mono", "fltp", 64_000),
+    # (tests: the other ways one seeks) VBR MP3 (Xing table, LAME V4), raw ADTS AAC, WebM/Opus
+    "mp3vbr": (".mp3", "mp3", "libmp3lame", 44100, "mono", "s16p", None),
+    "aac": (".aac", "adts", "aac", 44100, "mono", "fltp", 64_000),
+    "webm": (".webm", "webm", "libopus", 48000, "mono", "s16", 32_000),
 }
+LAME_V4 = 4 * 118  # global_quality for a VBR MP3: LAME's -V 4 (FF_QP2LAMBDA is 118)
 GAP_S = 0.8
 
 
@@ -59,6 +63,9 @@ def encode(samples: np.ndarray, path: Path, fmt: str) -> None:
     stream.format = sample_fmt
     if bit_rate:
         stream.bit_rate = bit_rate
+    elif codec == "libmp3lame":
+        stream.codec_context.qscale = True  # VBR
+        stream.codec_context.global_quality = LAME_V4
     resampler = av.AudioResampler(format=sample_fmt, layout=layout, rate=rate)
     pcm = (np.clip(samples, -1, 1) * 32767).astype(np.int16)
     step = 16000 * 10

@@ -8,7 +8,11 @@ The upload is the corpus's read speech in turn with 0.8 s of silence between cli
 clip's place and reference are known. Two figures:
 
 * **At the seams**: the words within 4 s of each seam, in the whole and the split transcript:
-  insertions and deletions between them (a word may be spelled differently: its window differs).
+  insertions and deletions between them (a word may be spelled differently: its window differs);
+  and each transcript against the references of the clips within 4 s of the seam. A word lost
+  or read twice at a seam is a deletion or insertion against the reference that the whole has
+  not; a window that starts elsewhere can also read a word better: on an 8-minute MP3 the whole
+  read "we desire and crease" where the split read the reference's "we desire increase".
   ``normalise`` expands "world's" to "world is", so "world's dew" against "worlds due" counts a
   deletion (6 minutes in 90 s parts, the seam at 294.8 s: a spelling, no word lost). A word
   count at a seam is Whisper's reading of different windows; the windows' samples are checked
@@ -100,18 +104,39 @@ def words_in(result: dict[str, Any], start: float, end: float) -> str:
                     if start <= (w["start"] + w["end"]) / 2 < end)
 
 
+def seam_holds(seam: dict[str, Any]) -> bool:
+    """No word lost or read twice at a seam (one of :func:`compare`'s ``seams``): the words
+    near it are the same in both transcripts, or the split has no more insertions and no more
+    deletions against the reference than the whole."""
+    if seam["insertions"] == seam["deletions"] == 0:
+        return True
+    ours, theirs = seam["against_reference"]["split"], seam["against_reference"]["whole"]
+    return bool(ours["insertions"] <= theirs["insertions"]
+                and ours["deletions"] <= theirs["deletions"])
+
+
 def compare(placed: Placed, whole: dict[str, Any], split: dict[str, Any],
             at: Sequence[float]) -> dict[str, Any]:
-    """Both transcripts' WER (percent) and, per seam, the words near it and their differences."""
+    """Both transcripts' WER (percent) and, per seam, the words near it: their differences, and
+    each transcript's insertions and deletions against the references of the clips there."""
     refs = " ".join(r for _, _, r in placed)
     near = []
     for seam in at:
         a = normalise(words_in(whole, seam - SEAM_S, seam + SEAM_S))
         b = normalise(words_in(split, seam - SEAM_S, seam + SEAM_S))
         diff = jiwer.process_words(a or "-", b or "-")
+        around = [(s, e, r) for s, e, r in placed if s < seam + SEAM_S and e > seam - SEAM_S]
+        lo, hi = around[0][0] - GAP_S / 2, around[-1][1] + GAP_S / 2
+        ref = normalise(" ".join(r for _, _, r in around))
+        vs_ref = {}
+        for name, result in (("whole", whole), ("split", split)):
+            d = jiwer.process_words(ref, normalise(words_in(result, lo, hi)) or "-")
+            vs_ref[name] = {"insertions": d.insertions, "deletions": d.deletions,
+                            "substitutions": d.substitutions}
         near.append({"seam_s": round(seam, 2), "whole": a, "split": b,
                      "insertions": diff.insertions, "deletions": diff.deletions,
-                     "substitutions": diff.substitutions})
+                     "substitutions": diff.substitutions, "clips_s": [round(lo, 2), round(hi, 2)],
+                     "against_reference": vs_ref})
     return {"reference_words": len(refs.split()),
             "wer_whole_percent": wer_percent([refs], [whole["result"]["text"]]),
             "wer_split_percent": wer_percent([refs], [split["result"]["text"]]),
