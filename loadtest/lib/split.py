@@ -27,6 +27,7 @@ clip's place and reference are known. Two figures:
 
 from __future__ import annotations
 
+import difflib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -104,6 +105,31 @@ def words_in(result: dict[str, Any], start: float, end: float) -> str:
                     if start <= (w["start"] + w["end"]) / 2 < end)
 
 
+def differences(whole: dict[str, Any], split: dict[str, Any],
+                at: Sequence[float]) -> list[dict[str, Any]]:
+    """Where the two transcripts' words differ (lower case, punctuation stripped): the whole
+    one's time there, both readings, and how far the nearest seam is."""
+    def words(result: dict[str, Any]) -> list[tuple[str, float]]:
+        out = []
+        for w in result["result"]["words"]:
+            text = "".join(ch for ch in w["word"].lower() if ch.isalnum() or ch == "'")
+            if text:
+                out.append((text, float(w["start"])))
+        return out
+
+    a, b = words(whole), words(split)
+    ops = difflib.SequenceMatcher(None, [w for w, _ in a], [w for w, _ in b], autojunk=False)
+    out = []
+    for tag, i1, i2, j1, j2 in ops.get_opcodes():
+        if tag == "equal":
+            continue
+        t = a[i1][1] if i1 < len(a) else a[-1][1]
+        out.append({"at_s": round(t, 2), "whole": " ".join(w for w, _ in a[i1:i2]),
+                    "split": " ".join(w for w, _ in b[j1:j2]),
+                    "nearest_seam_s": round(min((abs(t - x) for x in at), default=0.0), 1)})
+    return out
+
+
 def seam_holds(seam: dict[str, Any]) -> bool:
     """No word lost or read twice at a seam (one of :func:`compare`'s ``seams``): the words
     near it are the same in both transcripts, or the split has no more insertions and no more
@@ -140,4 +166,4 @@ def compare(placed: Placed, whole: dict[str, Any], split: dict[str, Any],
     return {"reference_words": len(refs.split()),
             "wer_whole_percent": wer_percent([refs], [whole["result"]["text"]]),
             "wer_split_percent": wer_percent([refs], [split["result"]["text"]]),
-            "seams": near}
+            "seams": near, "differences": differences(whole, split, at)}
