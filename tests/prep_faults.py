@@ -10,15 +10,15 @@ from typing import Any
 
 
 def crashing_main(*args: Any) -> None:
-    import app.audio.media as media
+    import app.audio.decoder as decoder
     from app.audio.procs import child
 
-    read = media.AudioDecoder.read
+    read = decoder.AudioDecoder.read
 
-    def crash_on_poison(self: media.AudioDecoder, n: int) -> Any:
+    def crash_on_poison(self: decoder.AudioDecoder, n: int) -> Any:
         if "poison" in str(self._container.name):
             os.kill(os.getpid(), signal.SIGKILL)
         return read(self, n)
 
-    media.AudioDecoder.read = crash_on_poison  # type: ignore[method-assign]
+    decoder.AudioDecoder.read = crash_on_poison  # type: ignore[method-assign]
     child.main(*args)

@@ -10,6 +10,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from app.audio import decode
 from app.audio import media as audio
 from loadtest.lib.corpus import Clip
 from loadtest.lib.hostile_inputs import encode, load, wav
@@ -44,11 +45,11 @@ def test_small_wav_probe_changes_nothing(clips: list[Clip], tmp_path: Path,
                                          monkeypatch: pytest.MonkeyPatch) -> None:
     files = variants(clips, tmp_path)
     assert len(files) > 10
-    small = [(audio.probe(f, 3600), audio.decode(f, 3600)) for f in files]
+    small = [(audio.probe(f, 3600), decode(f, 3600)) for f in files]
     # FFmpeg's defaults: its own probe size, and the wav demuxer's 4096-byte packets
     monkeypatch.setattr(audio, "WAV_PROBE", {})
     monkeypatch.setattr(audio, "wav_packet", lambda size: 4096)
-    default = [(audio.probe(f, 3600), audio.decode(f, 3600)) for f in files]
+    default = [(audio.probe(f, 3600), decode(f, 3600)) for f in files]
     for f, (p1, a1), (p2, a2) in zip(files, small, default, strict=True):
         assert p1 == p2, f
         assert np.array_equal(a1, a2), f

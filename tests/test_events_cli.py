@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 import srt
 
-from app.audio import media as audio
+from app.audio import decode
 from loadtest.lib.corpus import READ_SPEECH, Clip
 from tests.conftest import ROOT, Server
 from tests.wer import wer
@@ -50,7 +50,7 @@ def long_file(clips: list[Clip], tmp_path_factory: pytest.TempPathFactory) -> tu
     """~3 minutes of read speech in one wav (several windows), and its reference."""
     picked = sorted((c for c in clips if c.set in READ_SPEECH), key=lambda c: -c.duration_s)[:14]
     gap = np.zeros(16000, dtype=np.float32)
-    samples = np.concatenate([x for c in picked for x in (audio.decode(c.path, 600), gap)])
+    samples = np.concatenate([x for c in picked for x in (decode(c.path, 600), gap)])
     path = tmp_path_factory.mktemp("long") / "long.wav"
     with wave.open(str(path), "wb") as w:
         w.setnchannels(1)

@@ -22,8 +22,7 @@ import numpy as np
 import pytest
 import yaml
 
-from app.audio import media as audio
-from app.audio import prepare
+from app.audio import decode, prepare
 from app.audio.vad import SileroVad
 from app.config import BatcherSettings
 from app.engine import EngineInfo
@@ -50,7 +49,7 @@ def long_wav(clips: list[Clip], path: Path, min_s: float) -> Path:
     parts: list[np.ndarray] = []
     total = 0.0
     for c in sorted((c for c in clips if c.duration_s < 40), key=lambda c: (-c.duration_s, c.id)):
-        parts += [audio.decode(c.path, 3600), np.zeros(SAMPLE_RATE // 2, np.float32)]
+        parts += [decode(c.path, 3600), np.zeros(SAMPLE_RATE // 2, np.float32)]
         total += c.duration_s + 0.5
         if total >= min_s:
             break

@@ -25,7 +25,8 @@ import numpy as np
 import pytest
 
 from app.audio import decode
-from app.audio.media import AudioDecoder, NotSeekable, open_audio
+from app.audio.decoder import AudioDecoder, NotSeekable
+from app.audio.media import open_audio
 from app.audio.parts import SEARCH_S, find_seam, plan, silero_of, splittable
 from app.audio.spans import CHUNK
 from app.audio.vad import SileroVad

@@ -14,7 +14,7 @@ import numpy as np
 import pandas as pd
 import pytest
 
-from app.audio.media import decode
+from app.audio import decode
 from app.config import Settings
 from app.dataset.inputs import Request, RowError, Spool, audio_source, plain, wav_bytes
 from app.dataset.parts import PartsError, PartStore, key, part_name

@@ -10,8 +10,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from app.audio import media as audio
-from app.audio import prepare
+from app.audio import decode, prepare
 from app.audio.vad import SileroVad
 from app.batching.batcher import Batcher
 from app.config import BatcherSettings
@@ -78,7 +77,7 @@ def speech_regions(clip: Clip) -> list[tuple[float, float]]:
     """An independent reference: Silero VAD regions without padding, in seconds."""
     from faster_whisper.vad import VadOptions, get_speech_timestamps
 
-    samples = audio.decode(clip.path, 3600)
+    samples = decode(clip.path, 3600)
     opts = VadOptions(threshold=0.5, speech_pad_ms=0, min_silence_duration_ms=500)
     return [(t["start"] / 16000, t["end"] / 16000) for t in get_speech_timestamps(samples, opts)]
 

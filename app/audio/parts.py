@@ -21,7 +21,7 @@ GPU's batch. Cut into parts, each decoded from its own seek point in its own pre
 * **Which containers.** Those whose decoder finds a sample exactly: WAV, FLAC, Ogg (Opus) and
   MP4 (AAC) by FFmpeg's seek, counted from the stream's start time (a codec's delay); MP3 and
   ADTS AAC, whose seek is an estimate (a byte offset by bit rate, or a VBR file's Xing table:
-  seconds off), by demuxing the packets before the point in order (app/audio/media.py
+  seconds off), by demuxing the packets before the point in order (app/audio/decoder.py
   ``SCAN_SEEK``: 0.11 s to demux a 20-minute MP3, 1.87 s to decode it; a part pays for the
   minutes before its start, so a 60-minute MP3 in 12 parts demuxes 330 minutes, ~1.8 CPU-s
   beside the ~18 it takes to prepare). Each lands on the sample one pass gives
@@ -48,14 +48,8 @@ from typing import Protocol
 import av
 import numpy as np
 
-from app.audio.media import (
-    PROBE_PACKET,
-    SCAN_SEEK,
-    AudioDecoder,
-    NotSeekable,
-    _declared_duration,
-    open_audio,
-)
+from app.audio.decoder import SCAN_SEEK, AudioDecoder, NotSeekable
+from app.audio.media import PROBE_PACKET, _declared_duration, open_audio
 from app.audio.server_vad import TunedVad
 from app.audio.spans import CHUNK, SpanTracker
 from app.audio.stream import Chunk, _Track

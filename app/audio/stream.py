@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from app.audio.cut import WindowCutter, pieces
-from app.audio.media import AudioDecoder
+from app.audio.decoder import AudioDecoder
 from app.audio.vad import Vad, VadStream
 from app.windows import SAMPLE_RATE, Window
 
