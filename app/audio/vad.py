@@ -25,6 +25,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from app.audio.spans import CHUNK, SpanTracker
+from app.engine.threads import load_torch
 from app.windows import SAMPLE_RATE, SPEECH_PAD_S, WINDOW_S
 
 # pyannote.audio (whisperx's VAD) ships telemetry switched on: loading one of its models sends a
@@ -311,8 +312,9 @@ class PyannoteVad:
     """whisperx's pyannote VAD (weights in the whisperx wheel), with whisperx's thresholds."""
 
     def __init__(self, device: str) -> None:
-        import torch
         from whisperx.vads import Pyannote
+
+        torch = load_torch()  # at the engine's thread count
 
         self._model = Pyannote(torch.device(device), vad_onset=0.5, vad_offset=0.363, chunk_size=30)
 

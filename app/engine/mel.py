@@ -17,18 +17,28 @@ is first copied by the driver into a staging buffer of its own. torch's caching 
 keeps the pinned blocks for the next batch (``cudaHostAlloc`` per batch would cost more than
 the copy). The scaling is exact (a 16-bit sample times 2^-15 is a float32), so an int16 window
 gives the same features as the float32 window it scales to.
+
+On the CPU the same features come from numpy (:func:`host_features`), and a CPU service never
+imports torch for its transcription: the import alone cost 2.9 CPU-s of a 4.9 CPU-s cold start
+(``python -m app``, measured here), and its libraries the memory they map. The features equal
+whisperx's within 5e-5 (float32 FFTs of two libraries; numpy's are the nearer to float64's) at
+about torch's CPU cost on one thread (a batch of eight 30 s windows: ~115 ms numpy, 95-101 ms
+torch, beside ~29 CPU-s of engine work on those 4 minutes).
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
 from collections.abc import Sequence
+from importlib.util import find_spec
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-from app.windows import INT16_SCALE
+from app.windows import INT16_SCALE, as_float
 
 N_FFT = 400
 HOP = 160
@@ -40,7 +50,9 @@ _unpinned: list[str] = []  # why pinned memory failed, once
 def batch_features(audios: Sequence[np.ndarray], samples: int, n_mels: int,
                    device: str = "cpu") -> np.ndarray:
     """(batch, n_mels, samples // 160) float32 features of windows zero-padded to ``samples``,
-    in host memory (computed on ``device``)."""
+    in host memory (computed on ``device``: the CPU's with numpy)."""
+    if device == "cpu":
+        return host_features(audios, samples, n_mels)
     import torch
 
     with torch.inference_mode():
@@ -61,11 +73,12 @@ def encoder_input(audios: Sequence[np.ndarray], samples: int, n_mels: int,
     would serialise against every batch in flight on the device. The stream is synchronised
     before CTranslate2 reads the features, since it reads them on its own stream."""
     import ctranslate2
-    import torch
 
     if not device.startswith("cuda"):
         return ctranslate2.StorageView.from_array(
             np.ascontiguousarray(batch_features(audios, samples, n_mels, device)))
+    import torch
+
     stream = side_stream(device)
     with torch.inference_mode(), torch.cuda.stream(stream):
         feats = _features(audios, samples, n_mels, device, pinned=True).contiguous()
@@ -137,3 +150,41 @@ def _features(audios: Sequence[np.ndarray], samples: int, n_mels: int, device: s
     log_spec = torch.clamp(mel, min=1e-10).log10()
     floor = log_spec.amax(dim=(-2, -1), keepdim=True) - 8.0  # per window, as whisperx
     return (torch.maximum(log_spec, floor) + 4.0) / 4.0
+
+
+def host_features(audios: Sequence[np.ndarray], samples: int, n_mels: int) -> np.ndarray:
+    """The features of :func:`batch_features` with numpy on the CPU, step by step as torch's
+    ``stft`` (centred, reflect-padded, periodic Hann window) and whisperx's mel and floor; one
+    window at a time, so the frames in memory are one window's (4.8 MB for 30 s)."""
+    half = N_FFT // 2
+    out = np.empty((len(audios), n_mels, samples // HOP), np.float32)
+    x = np.empty(samples + 2 * half, np.float32)
+    for k, a in enumerate(audios):
+        n = min(samples, len(a))
+        x[half:half + n] = as_float(a[:n])
+        x[half + n:] = 0.0
+        x[:half] = x[2 * half:half:-1]  # reflect: sample half+j mirrored to half-j
+        x[half + samples:] = x[half + samples - 2:samples - 2:-1]
+        frames = np.lib.stride_tricks.sliding_window_view(x, N_FFT)[::HOP][:-1]
+        spec = np.fft.rfft(frames * _hann(), axis=-1)  # (frames, N_FFT // 2 + 1)
+        power = (spec.real ** 2 + spec.imag ** 2).astype(np.float32)
+        log_spec = np.log10(np.maximum(_filters(n_mels) @ power.T, np.float32(1e-10)))
+        floor = log_spec.max() - np.float32(8.0)  # per window, as whisperx
+        out[k] = (np.maximum(log_spec, floor) + np.float32(4.0)) / np.float32(4.0)
+    return out
+
+
+@functools.cache
+def _hann() -> np.ndarray:
+    return np.hanning(N_FFT + 1)[:-1].astype(np.float32)  # periodic, as torch.hann_window
+
+
+@functools.cache
+def _filters(n_mels: int) -> np.ndarray:
+    """whisperx's mel filter bank (its packaged ``mel_filters.npz``; whisperx.audio, which
+    loads it, imports torch)."""
+    spec = find_spec("whisperx")
+    assert spec is not None and spec.submodule_search_locations
+    path = Path(next(iter(spec.submodule_search_locations))) / "assets" / "mel_filters.npz"
+    with np.load(path) as f:
+        return np.ascontiguousarray(f[f"mel_{n_mels}"], dtype=np.float32)

@@ -26,6 +26,7 @@ from app.engine.decoding import batch_rows, budget
 from app.engine.device import resolve_compute_type, resolve_device, torch_device
 from app.engine.language import LanguageDetector, Languages
 from app.engine.mel import encoder_input
+from app.engine.threads import limit_pools
 from app.windows import (
     N_SAMPLES,
     PAD_STEP_S,
@@ -73,16 +74,15 @@ class WhisperEngine:
     """One resident WhisperModel, ``num_workers`` concurrent batches."""
 
     def __init__(self, model_path: str, settings: ModelSettings, model_name: str) -> None:
-        import torch
-
         # faster-whisper's class, not whisperx's subclass: the engine uses only what the base
         # defines (encode, the CTranslate2 model, tokenizer, prompts). whisperx.asr imports
         # transformers and pyannote.audio: 10.5 s against 0.3 s here (cold), and pyannote's
         # torchcodec warns that it finds no FFmpeg; a GPU image need not carry either.
         from faster_whisper import WhisperModel
 
-        # Mel is computed with torch; keep its pool small so it never fights CTranslate2's.
-        torch.set_num_threads(settings.torch_threads)
+        # torch (the mel on a GPU, pyannote, the speakers) and numpy's BLAS (the mel on the CPU)
+        # kept small so they never fight CTranslate2's threads (app/engine/threads.py).
+        limit_pools(settings.torch_threads)
         # app.engine.loading.engine_settings resolves every "auto" before the service calls
         # this; resolving here again keeps direct callers (tests, benchmarks) working.
         device = resolve_device(settings.device)

@@ -19,8 +19,8 @@ Both calls take fixed-size inputs (10 s windows, 1.5 s crops), so an item's outp
 depend on what else is in its batch, which is what lets the batcher mix requests freely.
 Measured here, one torch thread: segmentation 36.7 ms per window alone, 26.5 in batches of 16;
 CAM++ 47 ms per 1.5 s crop alone, ~20 in batches of 16.
-Nothing is loaded at import; torch's thread settings are left to the process (the service
-keeps torch at ``model.torch_threads``).
+Nothing is loaded at import; torch comes from app/engine/threads.py, at the thread count the
+engine set (``model.torch_threads``), since a CPU service that transcribes never imports it.
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from app.engine.threads import load_torch
 from models.registry import KNOWN, SPEAKERS_MODEL, ModelUnavailable, provision_hint, provisioned_folder
 
 SAMPLE_RATE = 16_000
@@ -56,7 +57,7 @@ class SpeakerModels:
     def __init__(self, folder: Path, device: str = "cpu") -> None:
         # pyannote.audio ships telemetry switched on; the service keeps it off (app/vad.py).
         os.environ.setdefault("PYANNOTE_METRICS_ENABLED", "false")
-        import torch
+        torch = load_torch()  # at the engine's thread count
 
         with warnings.catch_warnings():
             # Its audio-file decoder (torchcodec) is not used: windows come as arrays.
