@@ -104,6 +104,12 @@ def test_thread_pools_are_set_on_purpose() -> None:
     engine = WhisperEngine(str(real_model()), settings, "whisper-base")
     try:
         assert torch.get_num_threads() == 1
+        # a CPU engine does not import torch (app/engine/threads.py): where torch comes in
+        # later (pyannote, the speakers), it comes at the engine's setting
+        from app.engine.threads import load_torch
+
+        torch.set_num_threads(2)
+        assert load_torch().get_num_threads() == 1
         assert engine.model.model.num_workers == 2  # two 1-thread workers: ~40% over one of two
         assert engine.info.num_workers == 2
         assert engine.info.compute_type == "int8"
