@@ -181,6 +181,6 @@ async def test_the_sdks_semantic_vad_keeps_a_phrase_said_with_a_long_pause_in_on
     kinds = [e.type for e in seen]
     assert kinds.count("input_audio_buffer.speech_stopped") == 1 and "error" not in kinds, kinds
     text = done.transcript.lower()
-    # Words from both sides of the pause in the one turn: "aligner" is read "a liner" or
-    # "forstal liner" on some hosts (CI), so its end is what is looked for.
-    assert "montreal" in text and "liner" in text, done.transcript
+    # Words from both sides of the pause in the one turn: "aligner" is read as itself, "a
+    # liner" or "forstal liner", depending on the host and the mel's float rounding.
+    assert "montreal" in text and ("aligner" in text or "liner" in text), done.transcript
