@@ -9,6 +9,10 @@ transcripts differ between the trees, and a first ``diarize=true`` job (its wall
 the lazy load of the speaker models, and with them torch where the engine has not imported it).
 
     python -m loadtest.start_cost --base 6d2ce73~1 --out loadtest/results/start-cost.json
+
+``--gauge NAME=DIR``: also the corpus pass (only) on another source tree, e.g. this one with one
+numeric detail changed, to see how far transcripts and WER move under a change that should not
+matter; ``--gauge-note`` records what that tree is.
 """
 
 from __future__ import annotations
@@ -94,6 +98,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--work", type=Path, default=Path("/tmp/batchscribe-start-cost"))
     ap.add_argument("--out", type=Path, default=ROOT / "loadtest" / "results" / "start-cost.json")
+    ap.add_argument("--gauge", action="append", default=[], metavar="NAME=DIR")
+    ap.add_argument("--gauge-note", default="")
     args = ap.parse_args(argv)
     trees = {"base": base_tree(args.base, args.work), "this": ROOT}
     clips = load_corpus(DEFAULT_CORPUS)
@@ -117,9 +123,18 @@ def main(argv: list[str] | None = None) -> int:
                 key: summary(rows, key) for key in ("ready_s", "cpu_at_ready_s",
                                                     "cpu_after_first_s", "rss_mb", "peak_rss_mb")}
         t.update(corpus_pass(tree, args.work / f"corpus-{name}", diarize_file))
-        refs = [c.reference for c in clips]
-        t["corpus_wer_percent"] = wer_percent(refs, [t["texts"][c.id] for c in clips])
+        t["corpus_wer_percent"] = wer_percent([c.reference for c in clips],
+                                              [t["texts"][c.id] for c in clips])
         print(name, "WER", t["corpus_wer_percent"], flush=True)
+    refs = [c.reference for c in clips]
+    for name, tree in (g.split("=", 1) for g in args.gauge):
+        texts = corpus_pass(Path(tree), args.work / f"corpus-{name}", None)["texts"]
+        report.setdefault("gauges", {})[name] = {
+            "tree": tree, "note": args.gauge_note, "texts": texts,
+            "corpus_wer_percent": wer_percent(refs, [texts[c.id] for c in clips]),
+            "clips_whose_text_differs": {
+                n: sum(texts[c] != report["trees"][n]["texts"][c] for c in texts) for n in trees}}
+        print(name, "WER", report["gauges"][name]["corpus_wer_percent"], flush=True)
     base_texts, this_texts = (report["trees"][n]["texts"] for n in ("base", "this"))
     report["corpus_clips"] = len(clips)
     report["clips_whose_text_differs"] = sorted(c for c in this_texts if this_texts[c] != base_texts[c])
