@@ -110,6 +110,12 @@ def test_thread_pools_are_set_on_purpose() -> None:
 
         torch.set_num_threads(2)
         assert load_torch().get_num_threads() == 1
+        # a GPU engine imports torch for its mel where it asks which device that runs on
+        from app.engine.device import torch_device
+
+        torch.set_num_threads(2)
+        torch_device("cuda")
+        assert torch.get_num_threads() == 1
         assert engine.model.model.num_workers == 2  # two 1-thread workers: ~40% over one of two
         assert engine.info.num_workers == 2
         assert engine.info.compute_type == "int8"

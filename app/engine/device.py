@@ -110,8 +110,9 @@ def torch_device(device: str, index: int = 0) -> str:
     else the CPU (a CPU-only torch, or a fake GPU in tests)."""
     if device == "cuda":
         try:
-            import torch
+            from app.engine.threads import load_torch
 
+            torch = load_torch()  # at the engine's thread count (limit_pools ran before)
             if torch.cuda.is_available() and index < torch.cuda.device_count():
                 return f"cuda:{index}"
         except Exception:
