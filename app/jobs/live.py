@@ -40,7 +40,6 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Awaitable, Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 from app.audio.vad import Vad
@@ -55,6 +54,7 @@ from app.jobs.store import JobStore
 from app.jobs.webhooks import check_callback_url
 from app.live.decoding import Decode, batcher_decoder
 from app.live.events import ErrorEvent
+from app.live.offload import Offload
 from app.live.protocol import ProtocolError
 from app.live.session import LiveSession, serve
 from app.live.turns import LiveItem, VadModel
@@ -63,7 +63,6 @@ from app.net.outbound import OutboundGuard
 from app.windows import JobOptions
 
 log = logging.getLogger(__name__)
-LIVE_THREADS = 2  # audio work of every session: ~1 ms of Silero per 100 ms append on this CPU
 KIND = "live"  # a live session's hold (app/jobs/holds.py)
 CLOSE_NORMAL, CLOSE_POLICY, CLOSE_TRY_LATER = 1000, 1008, 1013
 
@@ -83,7 +82,7 @@ class LiveHall:
         self._vad: VadModel | None = vad if hasattr(vad, "probability_stream") else None  # type: ignore[assignment]
         self._outbound = outbound
         self._ended = ended  # the event hub's end: counted, its followers, its webhook
-        self._executor = ThreadPoolExecutor(LIVE_THREADS, thread_name_prefix="live")
+        self._executor = Offload()  # every session's audio work (app/live/offload.py)
         self._open: Counter[str | None] = Counter()  # this replica's sessions per key
         # Per key across replicas sharing PostgreSQL (app/jobs/holds.py); SQLite: _open alone.
         self._holds = make_holds(store, settings.storage.replica(), settings.storage.lease_s)
@@ -93,7 +92,7 @@ class LiveHall:
         return sum(self._open.values())
 
     def close(self) -> None:
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._executor.close()
 
     async def serve(self, call: LiveCall) -> LiveEnd:
         """Accept the socket and run one session on it to its end."""

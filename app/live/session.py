@@ -11,9 +11,9 @@ total limit (an ``error`` first), or when cancelled; however it ends, an open tu
 and every final awaited, so :attr:`LiveSession.items` holds everything said (kept as a job).
 Bad input never ends the session: it is answered with an ``error`` event.
 
-Audio work (base64, G.711, resampling, Silero) runs in ``executor``, never on the event loop;
-decodes go through :class:`~app.live.decoding.Decode`. Turns, how they are read, interim text
-and the event order: app/live/turns.py, reading.py, agreement.py, events.py.
+Audio work (base64, G.711, resampling, Silero) runs in ``executor`` (the service's: app/live/
+offload.py), never on the event loop; decodes go through :class:`~app.live.decoding.Decode`;
+turns, reading, interims, event order: app/live/turns.py, reading.py, agreement.py, events.py.
 A client faster than real time is slowed, not buffered: an append waits while
 ``max_pending_finals`` turns are decoding, or while it runs ahead of ``live.max_speed`` x real
 time (the socket is then not read). What a session holds is bounded (app/live/bounds.py): its
@@ -29,7 +29,7 @@ import functools
 import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from concurrent.futures import Executor
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
@@ -62,6 +62,7 @@ from app.live.events import (
     TranscriptionFailed,
     new_id,
 )
+from app.live.offload import Offload, run_on
 from app.live.protocol import (
     Append,
     Clear,
@@ -77,7 +78,6 @@ from app.windows import N_SAMPLES, SAMPLE_RATE
 
 log = logging.getLogger(__name__)
 MIN_COMMIT = SAMPLE_RATE // 10  # OpenAI refuses to commit less than 100 ms
-T = TypeVar("T")
 __all__ = ["Admit", "LiveSession", "Receive", "serve"]
 # Audio seconds an append adds to its key's share -> why it does not fit (None: it does).
 Admit = Callable[[float], Awaitable[str | None]]
@@ -85,7 +85,7 @@ Admit = Callable[[float], Awaitable[str | None]]
 
 class LiveSession:
     def __init__(self, decode: Decode, vad: VadModel | None, limits: LiveLimits | None = None,
-                 executor: Executor | None = None, session_id: str | None = None,
+                 executor: Executor | Offload | None = None, session_id: str | None = None,
                  initial: dict[str, Any] | None = None, admit: Admit | None = None) -> None:
         """``initial``: the session a client secret was minted for (app/live/protocol.py
         :func:`parse_session`, as stored in the secret): ``session.created`` already shows it.
@@ -191,7 +191,7 @@ class LiveSession:
         if (wait := self._pace.delay(seconds)) > 0:  # ahead of max_speed: slowed, not refused
             await asyncio.sleep(wait)
         try:
-            samples, edges = await self._offload(self._ingest, ev.audio)
+            samples, edges = await run_on(self._executor, self._ingest, ev.audio)
         except BadAudio as exc:
             self._error(ProtocolError(str(exc), code="invalid_value", param="audio",
                                       event_id=ev.event_id))
@@ -369,9 +369,6 @@ class LiveSession:
         if p is not None and self._buf.end - p.start > self.limits.context_max_s * SAMPLE_RATE:
             self._previous = p = None
         self._buf.trim(keep if p is None else min(keep, p.start))
-
-    async def _offload(self, fn: Callable[..., T], *args: Any) -> T:
-        return await asyncio.get_running_loop().run_in_executor(self._executor, fn, *args)
 
     def _emit(self, event: ServerEvent) -> None:
         self.outbox.put(event.as_dict())  # past the bound: dropped, and the session ends
