@@ -137,3 +137,25 @@ def test_threads_follow_the_cores(monkeypatch: pytest.MonkeyPatch, cores: int,
                                   threads: int) -> None:
     monkeypatch.setattr(offload.os, "sched_getaffinity", lambda pid: set(range(cores)))
     assert default_threads() == threads
+
+
+def test_callers_on_two_event_loops_each_get_theirs() -> None:
+    """Each result goes back to the loop its Future belongs to."""
+    pool = Offload(2)
+    got: dict[int, list[int]] = {}
+
+    def loop_thread(k: int) -> None:
+        async def main() -> list[int]:
+            return list(await asyncio.gather(*(pool.run(lambda i=i: k * 1000 + i)
+                                               for i in range(50))))
+        got[k] = asyncio.run(main())
+
+    threads = [threading.Thread(target=loop_thread, args=(k,)) for k in (1, 2)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        pool.close()
+    assert got == {k: [k * 1000 + i for i in range(50)] for k in (1, 2)}

@@ -65,7 +65,6 @@ class Offload:
     def __init__(self, threads: int | None = None, name: str = "live") -> None:
         self._calls: collections.deque[_Call] = collections.deque()
         self._ready = threading.Condition()
-        self._loop: asyncio.AbstractEventLoop | None = None
         self._closed = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}_{k}", daemon=True)
                          for k in range(threads or default_threads())]
@@ -79,9 +78,7 @@ class Offload:
     def run(self, fn: Callable[..., T], *args: Any) -> asyncio.Future[T]:
         """``fn(*args)`` on a thread; await the Future for its result (or its exception).
         Called on the event loop."""
-        loop = asyncio.get_running_loop()
-        self._loop = loop
-        fut: asyncio.Future[T] = loop.create_future()
+        fut: asyncio.Future[T] = asyncio.get_running_loop().create_future()
         with self._ready:
             if self._closed:
                 raise RuntimeError("the live threads are closed")
@@ -126,12 +123,15 @@ class Offload:
                 self._hand_back(held)
                 held = []
 
-    def _hand_back(self, results: list[_Result], cancel: bool = False) -> None:
-        loop = self._loop
-        if loop is None or loop.is_closed():
-            return
-        with contextlib.suppress(RuntimeError):  # the loop closed meanwhile: nobody waits
-            loop.call_soon_threadsafe(_settle, results, cancel)
+    @staticmethod
+    def _hand_back(results: list[_Result], cancel: bool = False) -> None:
+        """To each Future's own loop, in one call per loop (one, in the service)."""
+        by_loop: dict[asyncio.AbstractEventLoop, list[_Result]] = {}
+        for r in results:
+            by_loop.setdefault(r[0].get_loop(), []).append(r)
+        for loop, mine in by_loop.items():
+            with contextlib.suppress(RuntimeError):  # that loop closed: nobody waits there
+                loop.call_soon_threadsafe(_settle, mine, cancel)
 
 
 def _settle(results: list[_Result], cancel: bool) -> None:
