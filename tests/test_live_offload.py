@@ -102,13 +102,17 @@ def test_a_cancelled_caller_leaves_nothing_hanging() -> None:
 
 
 def test_close_cancels_what_has_not_started_and_refuses_more() -> None:
-    gate = threading.Event()
+    gate, started = threading.Event(), threading.Event()
+
+    def first() -> bool:
+        started.set()
+        return gate.wait()
 
     async def main() -> None:
         pool = Offload(1)
-        running = pool.run(gate.wait)
+        running = pool.run(first)
         queued = [pool.run(lambda: 1) for _ in range(3)]
-        await asyncio.sleep(0.01)
+        assert await asyncio.to_thread(started.wait, 60)  # the thread is inside ``first``
         pool.close()
         gate.set()
         assert await running is True  # a started call finishes
