@@ -18,12 +18,16 @@ beside the engine. From the outside in (:func:`install_middleware`):
    owner is known here, and a replay skips the backlog gate (it adds no work).
 6. ``BacklogGate`` (limits.py): 429 before the body is read while the backlog is full.
 7. ``BodyLimitMiddleware`` (limits.py): 413 as the body's bytes pass the limit.
+8. ``CoalesceBody`` (coalesce.py): an upload's body reaches the form parser in 1 MiB blocks
+   (each smaller block was a thread hop in Starlette's spooled file), after the limits counted
+   its bytes as they came.
 """
 
 from __future__ import annotations
 
 from fastapi import FastAPI
 
+from app.api.middleware.coalesce import CoalesceBody
 from app.api.middleware.idempotency import IdempotencyGate
 from app.api.middleware.keys import install_security
 from app.api.middleware.limits import BacklogGate, BodyLimitMiddleware
@@ -35,6 +39,7 @@ from app.config import Settings
 
 def install_middleware(app: FastAPI, settings: Settings) -> None:
     """The stack above, added innermost first (Starlette wraps each new one around the last)."""
+    app.add_middleware(CoalesceBody)
     app.add_middleware(BodyLimitMiddleware, max_upload_bytes=settings.limits.max_upload_bytes)
     app.add_middleware(BacklogGate)
     app.add_middleware(IdempotencyGate)
