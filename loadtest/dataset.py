@@ -71,6 +71,12 @@ def steady_state(checkpoint: Path, lo: float = 0.1, hi: float = 0.9) -> dict[str
     """Audio finished between the ``lo`` and ``hi`` marks of the run's audio over their time."""
     done = sorted((r["t"], float(r["audio_s"])) for r in map(json.loads, checkpoint.read_text().splitlines())
                   if r.get("type") == "done")
+    return marks(done, lo, hi)
+
+
+def marks(done: list[tuple[float, float]], lo: float, hi: float) -> dict[str, Any]:
+    """The throughput between the ``lo`` and ``hi`` marks of the audio in ``done``, sorted
+    (time, audio seconds) of finished files."""
     total = sum(a for _, a in done)
     acc, t_lo, t_hi, a_lo, a_hi = 0.0, None, None, 0.0, 0.0
     for t, a in done:

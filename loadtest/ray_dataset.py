@@ -43,6 +43,7 @@ from typing import Any
 
 from loadtest.dataset import (
     PROCESSED,
+    marks,
     metrics,
     run_client,
     steady_from_progress,
@@ -64,24 +65,7 @@ def steady_rows(parts: Path, lo: float = 0.1, hi: float = 0.9) -> dict[str, Any]
     ``t``), not when its block's part was written (a block ends with its slowest row)."""
     done = [(float(r["t"]), float(r["facts"].get("audio_s") or 0.0))
             for p in parts.glob("part-*.jsonl") for r in map(json.loads, p.read_text().splitlines())]
-    return marks(sorted(done), lo, hi)
-
-
-def marks(done: list[tuple[float, float]], lo: float, hi: float) -> dict[str, Any]:
-    """As loadtest.dataset.steady_state, over (time, audio) of finished files."""
-    total = sum(a for _, a in done)
-    acc, t_lo, t_hi, a_lo, a_hi = 0.0, None, None, 0.0, 0.0
-    for t, a in done:
-        acc += a
-        if t_lo is None and acc >= lo * total:
-            t_lo, a_lo = t, acc
-        if t_hi is None and acc >= hi * total:
-            t_hi, a_hi = t, acc
-    if t_lo is None or t_hi is None or t_hi <= t_lo:
-        return {"throughput_x": None}
-    return {"throughput_x": round((a_hi - a_lo) / (t_hi - t_lo), 3), "audio_s": round(a_hi - a_lo, 1),
-            "wall_s": round(t_hi - t_lo, 2), "marks": [lo, hi],
-            "from": "files finished between the marks"}
+    return {**marks(sorted(done), lo, hi), "from": "files finished between the marks"}
 
 
 def run_ray(manifest: Path, out: Path, extra: list[str]) -> dict[str, Any]:
