@@ -140,6 +140,22 @@ def bar(s: dict[str, Any]) -> dict[str, Any]:
             "count_within_one_ge_80pct": s["count_within_one_share"] >= 0.8}
 
 
+def print_scores(report: dict[str, Any], systems: Sequence[str]) -> None:
+    """Each system's DER per recording and per split, and its CPU, one line each."""
+    for v in systems:
+        prim = report["scores"][v]["primary"]
+        for r in prim["per_recording"]:
+            print(f"{v:8s} {r['split']:7s} {r['id']:24s} DER {100 * r['der']:5.1f}% (miss "
+                  f"{r['miss_s']:.2f} fa {r['false_alarm_s']:.2f} conf {r['confusion_s']:.2f} s) "
+                  f"speakers {r['speakers']} found {r['speakers_found']} cpu {r['cpu_s']:.2f} s")
+        for split in ("tune", "heldout", "shared"):
+            if s := prim[split]:
+                print(f"{v:8s} {split}: total {100 * s['der_total']:.2f}% mean "
+                      f"{100 * s['der_mean']:.2f}% max {100 * s['der_max']:.1f}% count within "
+                      f"one {s['count_within_one']}/{s['recordings']}")
+        print(f"{v:8s} CPU {report['cpu_s_per_audio_s'][v]} s per audio s")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from models.provision import default_cache_dir
 
@@ -187,18 +203,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
-    for v in VARIANTS:
-        prim = report["scores"][v]["primary"]
-        for r in prim["per_recording"]:
-            print(f"{v} {r['split']:7s} {r['id']:24s} DER {100 * r['der']:5.1f}% (miss "
-                  f"{r['miss_s']:.2f} fa {r['false_alarm_s']:.2f} conf {r['confusion_s']:.2f} s) "
-                  f"speakers {r['speakers']} found {r['speakers_found']}  cpu {r['cpu_s']:.2f} s")
-        for split in ("tune", "heldout", "shared"):
-            if s := prim[split]:
-                print(f"{v} {split}: total {100 * s['der_total']:.2f}% mean "
-                      f"{100 * s['der_mean']:.2f}% max {100 * s['der_max']:.1f}% count within "
-                      f"one {s['count_within_one']}/{s['recordings']}")
-        print(f"{v} CPU {report['cpu_s_per_audio_s'][v]} s per audio s")
+    print_scores(report, VARIANTS)
     for i, r in report["count_margins"].items():
         print(f"count margins {i:24s} truth {r['speakers']} crops {r['crops']:3d} found at cut "
               + " ".join(f"{c}:{k}" for c, k in r["found_at_cut"].items()))

@@ -48,7 +48,7 @@ from typing import Any
 import numpy as np
 
 from loadtest.diarization import DEFAULT_CORPUS, git_state, load_der, manifest
-from loadtest.diarization_dev import DATASET, diarize_all, score
+from loadtest.diarization_dev import DATASET, diarize_all, print_scores, score
 from loadtest.lib.common import machine_info
 from loadtest.lib.diarization_pyannote import PYANNOTE_THRESHOLD, pyannote_pipeline
 
@@ -148,18 +148,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2) + "\n")
-    for k in hyps:
-        prim = report["scores"][k]["primary"]
-        for r in prim["per_recording"]:
-            print(f"{k:8s} {r['split']:7s} {r['id']:24s} DER {100 * r['der']:5.1f}% (miss "
-                  f"{r['miss_s']:.2f} fa {r['false_alarm_s']:.2f} conf {r['confusion_s']:.2f}) "
-                  f"speakers {r['speakers']} found {r['speakers_found']} cpu {r['cpu_s']:.1f} s")
-        for split in ("tune", "heldout", "shared"):
-            if s := prim[split]:
-                print(f"{k:8s} {split}: total {100 * s['der_total']:.2f}% mean "
-                      f"{100 * s['der_mean']:.2f}% max {100 * s['der_max']:.1f}% count within "
-                      f"one {s['count_within_one']}/{s['recordings']}")
-        print(f"{k:8s} CPU {report['cpu_s_per_audio_s'][k]} s per audio s")
+    print_scores(report, list(hyps))
     return 0
 
 
